@@ -1,0 +1,482 @@
+//! The collectives, on host buffers, written once over the [`Transport`](super::transport) trait.
+//!
+//! All-reduce is a reduce-scatter followed by an all-gather, both in place in the caller's buffer:
+//! rank r owns chunk r of the flat buffer (chunks split as in `layout`), receives chunk r from
+//! every peer, folds the n inputs in rank order into its own buffer, and sends the result to every
+//! peer, who copy it into theirs. Per rank that is (n−1)/n of the data out and in, twice, which is
+//! the bandwidth-optimal volume (the 2(n−1)/n of nccl-tests' bus bandwidth). Chunks are cut into
+//! pieces of the transport's `piece_bytes`, so that on TCP the receive of one piece overlaps the
+//! fold of the previous one. One owner computes each element, so every rank ends bitwise equal.
+
+use std::ops::Range;
+
+use super::buffer::{Payload, SharedBuf};
+use super::element::{CommElem, ReduceOp, WireDType, fold_in_place};
+use super::error::CommError;
+use super::group::{OpCtx, ProcessGroup};
+use super::layout::{AlongDim, concat, split_ranges};
+use super::mailbox::{Channel, Descriptor, Key, Message, OpKind, RecvFailure};
+
+/// A tensor in host memory: row-major elements and a shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor<E> {
+    pub data: Vec<E>,
+    pub shape: Vec<usize>,
+}
+
+impl<E> HostTensor<E> {
+    /// Pairs data with a shape; panics if the element count does not match.
+    pub fn new(data: Vec<E>, shape: Vec<usize>) -> Self {
+        assert_eq!(
+            data.len(),
+            shape.iter().product::<usize>(),
+            "HostTensor: {} elements do not fill shape {shape:?}",
+            data.len()
+        );
+        Self { data, shape }
+    }
+}
+
+/// Message parts: the phase in the high bits, the piece index in the low 24.
+fn part(phase: u32, piece: usize) -> u32 {
+    (phase << 24) | piece as u32
+}
+
+/// Cuts `range` into pieces of at most `max` elements; an empty range is one empty piece, so
+/// that even empty tensors exchange a message (and shapes get checked).
+fn pieces(range: &Range<usize>, max: usize) -> Vec<Range<usize>> {
+    if range.is_empty() {
+        return vec![range.clone()];
+    }
+    let max = max.max(1);
+    (range.start..range.end)
+        .step_by(max)
+        .map(|s| s..s.saturating_add(max).min(range.end))
+        .collect()
+}
+
+fn peers_of(group: &ProcessGroup) -> Vec<usize> {
+    (0..group.size()).filter(|p| *p != group.rank()).collect()
+}
+
+impl OpCtx<'_> {
+    /// The elements of a message from `peer`, which must hold `len` elements of `E`.
+    fn elements<'m, E: CommElem>(
+        &self,
+        peer: usize,
+        message: &'m Message,
+        len: usize,
+    ) -> Result<&'m [E], CommError> {
+        let values = message.payload.slice::<E>().ok_or_else(|| {
+            self.mismatch(
+                peer,
+                format!(
+                    "it sent {:?} data, expected {:?}",
+                    message.payload.dtype(),
+                    E::DTYPE
+                ),
+            )
+        })?;
+        if values.len() != len {
+            return Err(self.mismatch(
+                peer,
+                format!("it sent {} elements, expected {len}", values.len()),
+            ));
+        }
+        Ok(values)
+    }
+
+    /// Takes back a buffer whose views were sent to peers, once they are done with it.
+    fn reclaim<E: CommElem>(&self, buf: std::sync::Arc<SharedBuf<E>>) -> Result<Vec<E>, CommError> {
+        SharedBuf::into_vec(buf, self.deadline).map_err(|_| CommError::Timeout {
+            op: self.desc.op,
+            seq: self.desc.seq,
+            group: self.group.describe(),
+            missing: Vec::new(),
+            waited: self.group.options().timeout,
+        })
+    }
+
+    fn piece_elems<E>(&self) -> usize {
+        self.group.inner.transport.piece_bytes() / size_of::<E>().max(1)
+    }
+}
+
+impl ProcessGroup {
+    fn check_dim(&self, op: OpKind, shape: &[usize], dim: usize) -> Result<(), CommError> {
+        if dim >= shape.len() {
+            return Err(self.invalid(
+                op,
+                format!("dimension {dim} is out of range for shape {shape:?}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every rank gets `op` over all ranks' tensors, which must have the same shape.
+    pub fn all_reduce_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        op: ReduceOp,
+    ) -> Result<HostTensor<E>, CommError> {
+        let ctx = self.begin(OpKind::AllReduce, E::DTYPE, &input.shape, op.code())?;
+        if self.size() == 1 {
+            return Ok(input);
+        }
+        let (me, peers) = (self.rank(), peers_of(self));
+        let chunks = split_ranges(input.data.len(), self.size());
+        let max = ctx.piece_elems::<E>();
+        let buf = SharedBuf::new(input.data);
+
+        for &q in &peers {
+            for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
+                ctx.send(q, part(0, p), Payload::view(&buf, piece))?;
+            }
+        }
+        for (p, piece) in pieces(&chunks[me], max).into_iter().enumerate() {
+            let messages = ctx.recv_all(&peers, part(0, p))?;
+            let mut inputs = Vec::with_capacity(peers.len());
+            for (message, &q) in messages.iter().zip(&peers) {
+                ctx.check_same_shape(q, &message.desc)?;
+                inputs.push(ctx.elements::<E>(q, message, piece.len())?);
+            }
+            // SAFETY: peers never read chunk `me` of this buffer before the sends just below.
+            fold_in_place(unsafe { buf.region_mut(piece.clone()) }, me, &inputs, op);
+            drop(messages);
+            for &q in &peers {
+                ctx.send(q, part(1, p), Payload::view(&buf, piece.clone()))?;
+            }
+        }
+        for &q in &peers {
+            for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
+                let message = ctx.recv(q, part(1, p))?;
+                let reduced = ctx.elements::<E>(q, &message, piece.len())?;
+                // SAFETY: rank q sent its result for this piece, so it has finished reading it; no
+                // other rank reads chunk q of this buffer.
+                unsafe { buf.region_mut(piece) }.copy_from_slice(reduced);
+            }
+        }
+        Ok(HostTensor {
+            data: ctx.reclaim(buf)?,
+            shape: input.shape,
+        })
+    }
+
+    /// Reduces all ranks' tensors (same shape) and leaves rank r with part r along `dim`
+    /// (uneven sizes as in `layout`: the first `S mod n` parts get one more row).
+    pub fn reduce_scatter_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<HostTensor<E>, CommError> {
+        self.check_dim(OpKind::ReduceScatter, &input.shape, dim)?;
+        let ctx = self.begin(
+            OpKind::ReduceScatter,
+            E::DTYPE,
+            &input.shape,
+            op.code() | (dim as u64) << 8,
+        )?;
+        if self.size() == 1 {
+            return Ok(input);
+        }
+        let (me, peers) = (self.rank(), peers_of(self));
+        let along = AlongDim::new(&input.shape, dim);
+        let rows = split_ranges(along.size, self.size());
+        // Rank-major order: part q's rows become one contiguous chunk.
+        let packed = if along.outer <= 1 {
+            input.data
+        } else {
+            rows.iter()
+                .flat_map(|r| along.pack(&input.data, r))
+                .collect()
+        };
+        let chunk = |q: usize| {
+            let scale = along.outer * along.inner;
+            rows[q].start * scale..rows[q].end * scale
+        };
+        let buf = SharedBuf::new(packed);
+        for &q in &peers {
+            ctx.send(q, 0, Payload::view(&buf, chunk(q)))?;
+        }
+        let messages = ctx.recv_all(&peers, 0)?;
+        let mut inputs = Vec::with_capacity(peers.len());
+        for (message, &q) in messages.iter().zip(&peers) {
+            ctx.check_same_shape(q, &message.desc)?;
+            inputs.push(ctx.elements::<E>(q, message, chunk(me).len())?);
+        }
+        // SAFETY: nobody writes this buffer during a reduce-scatter.
+        let mut output = unsafe { buf.region(chunk(me)) }.to_vec();
+        fold_in_place(&mut output, me, &inputs, op);
+        let mut shape = input.shape;
+        shape[dim] = rows[me].len();
+        Ok(HostTensor {
+            data: output,
+            shape,
+        })
+    }
+
+    /// Concatenates all ranks' tensors along `dim`, in rank order. Ranks may contribute
+    /// different sizes along `dim`; all other dimensions must agree.
+    pub fn all_gather_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        dim: usize,
+    ) -> Result<HostTensor<E>, CommError> {
+        self.check_dim(OpKind::AllGather, &input.shape, dim)?;
+        let ctx = self.begin(OpKind::AllGather, E::DTYPE, &input.shape, dim as u64)?;
+        if self.size() == 1 {
+            return Ok(input);
+        }
+        let (me, peers) = (self.rank(), peers_of(self));
+        let shape = input.shape;
+        let len = input.data.len();
+        let buf = SharedBuf::new(input.data);
+        for &q in &peers {
+            ctx.send(q, 0, Payload::view(&buf, 0..len))?;
+        }
+        let messages = ctx.recv_all(&peers, 0)?;
+        let mut sizes = Vec::with_capacity(self.size());
+        let mut parts = Vec::with_capacity(self.size());
+        for (message, &q) in messages.iter().zip(&peers) {
+            let theirs = &message.desc.shape;
+            let compatible = theirs.len() == shape.len()
+                && theirs
+                    .iter()
+                    .zip(&shape)
+                    .enumerate()
+                    .all(|(d, (a, b))| d == dim || a == b);
+            if !compatible {
+                return Err(ctx.mismatch(
+                    q,
+                    format!("its shape {theirs:?} differs from {shape:?} outside dimension {dim}"),
+                ));
+            }
+            sizes.push(theirs[dim]);
+            parts.push(ctx.elements::<E>(q, message, theirs.iter().product())?);
+        }
+        sizes.insert(me, shape[dim]);
+        // SAFETY: nobody writes this buffer during an all-gather.
+        parts.insert(me, unsafe { buf.region(0..len) });
+        let along = AlongDim::new(&shape, dim);
+        let data = concat(&parts, &sizes, along.outer, along.inner);
+        let mut shape = shape;
+        shape[dim] = sizes.iter().sum();
+        Ok(HostTensor { data, shape })
+    }
+
+    /// Every rank gets `root`'s tensor; all ranks pass a tensor of the same shape.
+    pub fn broadcast_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        root: usize,
+    ) -> Result<HostTensor<E>, CommError> {
+        if root >= self.size() {
+            return Err(self.invalid(
+                OpKind::Broadcast,
+                format!("root {root} is outside the group (size {})", self.size()),
+            ));
+        }
+        let ctx = self.begin(OpKind::Broadcast, E::DTYPE, &input.shape, root as u64)?;
+        if self.size() == 1 {
+            return Ok(input);
+        }
+        let HostTensor { mut data, shape } = input;
+        if self.rank() == root {
+            let len = data.len();
+            let buf = SharedBuf::new(data);
+            for q in peers_of(self) {
+                ctx.send(q, 0, Payload::view(&buf, 0..len))?;
+            }
+            data = ctx.reclaim(buf)?;
+        } else {
+            let message = ctx.recv(root, 0)?;
+            ctx.check_same_shape(root, &message.desc)?;
+            let len = data.len();
+            data.copy_from_slice(ctx.elements::<E>(root, &message, len)?);
+        }
+        Ok(HostTensor { data, shape })
+    }
+
+    /// Splits the tensor along `scatter_dim` into one part per rank (uneven as in `layout`),
+    /// sends part q to rank q, and concatenates the parts received along `gather_dim` in rank
+    /// order. All ranks pass the same shape.
+    pub fn all_to_all_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        scatter_dim: usize,
+        gather_dim: usize,
+    ) -> Result<HostTensor<E>, CommError> {
+        self.check_dim(OpKind::AllToAll, &input.shape, scatter_dim)?;
+        self.check_dim(OpKind::AllToAll, &input.shape, gather_dim)?;
+        let arg = scatter_dim as u64 | (gather_dim as u64) << 32;
+        let ctx = self.begin(OpKind::AllToAll, E::DTYPE, &input.shape, arg)?;
+        if self.size() == 1 {
+            return Ok(input);
+        }
+        let (me, peers, n) = (self.rank(), peers_of(self), self.size());
+        let along = AlongDim::new(&input.shape, scatter_dim);
+        let rows = split_ranges(along.size, n);
+        let mine_len = along.outer * rows[me].len() * along.inner;
+        let mut part_shape = input.shape.clone();
+        part_shape[scatter_dim] = rows[me].len();
+
+        let own_part: Vec<E>;
+        let buf = SharedBuf::new(input.data);
+        if rows.iter().all(|r| along.is_contiguous(r)) {
+            for &q in &peers {
+                ctx.send(q, 0, Payload::view(&buf, along.flat(&rows[q])))?;
+            }
+            // SAFETY: nobody writes this buffer during an all-to-all.
+            own_part = unsafe { buf.region(along.flat(&rows[me])) }.to_vec();
+        } else {
+            // SAFETY: as above.
+            let data = unsafe { buf.region(0..buf.len()) };
+            for &q in &peers {
+                ctx.send(q, 0, Payload::owned(along.pack(data, &rows[q])))?;
+            }
+            own_part = along.pack(data, &rows[me]);
+        }
+        let messages = ctx.recv_all(&peers, 0)?;
+        let mut parts = Vec::with_capacity(n);
+        for (message, &q) in messages.iter().zip(&peers) {
+            ctx.check_same_shape(q, &message.desc)?;
+            parts.push(ctx.elements::<E>(q, message, mine_len)?);
+        }
+        parts.insert(me, &own_part);
+        let gather = AlongDim::new(&part_shape, gather_dim);
+        let data = concat(&parts, &vec![gather.size; n], gather.outer, gather.inner);
+        let mut shape = part_shape;
+        shape[gather_dim] *= n;
+        Ok(HostTensor { data, shape })
+    }
+
+    /// Returns once every rank of the group has entered the barrier.
+    pub fn barrier(&self) -> Result<(), CommError> {
+        let ctx = self.begin(OpKind::Barrier, WireDType::U8, &[], 0)?;
+        let peers = peers_of(self);
+        for &q in &peers {
+            ctx.send(q, 0, Payload::empty())?;
+        }
+        ctx.recv_all(&peers, 0).map(drop)
+    }
+
+    fn p2p_key(&self, tag: u64) -> Key {
+        Key {
+            group: self.inner.id,
+            channel: Channel::PointToPoint,
+            id: tag,
+            part: 0,
+        }
+    }
+
+    /// Sends a tensor to group rank `dst`, to be received with the same `tag`. Returns once the
+    /// message is queued; messages with the same (sender, tag) arrive in order.
+    pub fn send_host<E: CommElem>(
+        &self,
+        input: HostTensor<E>,
+        dst: usize,
+        tag: u64,
+    ) -> Result<(), CommError> {
+        self.check_peer(OpKind::Send, dst, "destination")?;
+        let message = Message {
+            key: self.p2p_key(tag),
+            desc: Descriptor {
+                op: OpKind::Send,
+                seq: tag,
+                dtype: E::DTYPE,
+                shape: input.shape,
+                arg: tag,
+            },
+            payload: Payload::owned(input.data),
+        };
+        let global = self.inner.ranks[dst];
+        self.inner
+            .transport
+            .send(global, message)
+            .map_err(|reason| CommError::PeerLost {
+                op: OpKind::Send,
+                seq: tag,
+                group: self.describe(),
+                rank: global,
+                reason,
+                missing: vec![global],
+            })
+    }
+
+    /// Waits for the next message from group rank `src` with `tag`.
+    pub(crate) fn recv_message(&self, src: usize, tag: u64) -> Result<Message, CommError> {
+        self.check_peer(OpKind::Recv, src, "source")?;
+        let started = std::time::Instant::now();
+        let global = self.inner.ranks[src];
+        let deadline = started + self.options().timeout;
+        self.inner
+            .transport
+            .mailbox()
+            .take(global, self.p2p_key(tag), deadline)
+            .map_err(|failure| match failure {
+                RecvFailure::Timeout => CommError::Timeout {
+                    op: OpKind::Recv,
+                    seq: tag,
+                    group: self.describe(),
+                    missing: vec![global],
+                    waited: started.elapsed(),
+                },
+                RecvFailure::PeerLost(reason) => CommError::PeerLost {
+                    op: OpKind::Recv,
+                    seq: tag,
+                    group: self.describe(),
+                    rank: global,
+                    reason,
+                    missing: vec![global],
+                },
+            })
+    }
+
+    /// Receives a tensor of element type `E` sent by group rank `src` with `tag`.
+    pub fn recv_host<E: CommElem>(&self, src: usize, tag: u64) -> Result<HostTensor<E>, CommError> {
+        let message = self.recv_message(src, tag)?;
+        message_into_host(self, message, src)
+    }
+}
+
+/// The tensor a point-to-point message carries.
+pub(crate) fn message_into_host<E: CommElem>(
+    group: &ProcessGroup,
+    message: Message,
+    src: usize,
+) -> Result<HostTensor<E>, CommError> {
+    let dtype = message.payload.dtype();
+    let shape = message.desc.shape;
+    let data = message.payload.into_vec::<E>().ok_or_else(|| {
+        group.invalid(
+            OpKind::Recv,
+            format!(
+                "rank {src} sent {dtype:?} data, the receiver expected {:?}",
+                E::DTYPE
+            ),
+        )
+    })?;
+    if data.len() != shape.iter().product::<usize>() {
+        return Err(group.invalid(
+            OpKind::Recv,
+            format!(
+                "rank {src} sent {} elements for shape {shape:?}",
+                data.len()
+            ),
+        ));
+    }
+    Ok(HostTensor { data, shape })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_range_and_empty_is_one_piece() {
+        assert_eq!(pieces(&(3..10), 3), vec![3..6, 6..9, 9..10]);
+        assert_eq!(pieces(&(4..4), 3), vec![4..4]);
+        assert_eq!(pieces(&(0..5), usize::MAX), vec![0..5]);
+    }
+}

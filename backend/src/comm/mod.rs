@@ -1,0 +1,39 @@
+//! Collective communication: process groups, their collectives on Burn tensors, the transports
+//! under them, rendezvous and launch-environment detection.
+//!
+//! ```no_run
+//! use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp};
+//! # fn main() -> Result<(), wildfire_backend::comm::CommError> {
+//! let env = LaunchEnv::detect(&LaunchFlags::default())?; // RANK, WORLD_SIZE, … from the launcher
+//! let world = ProcessGroup::init(&env, CommOptions::from_env()?)?;
+//! let tp = world.subgroup(&[0, 1])?;                     // members only, same order everywhere
+//! # let _ = (tp, ReduceOp::Sum);
+//! # Ok(()) }
+//! ```
+//!
+//! Every collective returns a `Result`; errors name the op, its sequence number in the group, the
+//! group and the ranks involved ([`CommError`]). Every blocking call has a deadline
+//! ([`CommOptions::timeout`], `WILDFIRE_COMM_TIMEOUT`).
+
+mod algorithms;
+mod buffer;
+mod element;
+mod env;
+mod error;
+mod group;
+mod init;
+mod layout;
+mod mailbox;
+pub mod selfcheck;
+mod store;
+mod tensor;
+mod transport;
+
+pub use algorithms::HostTensor;
+pub use element::{Accumulator, CommElem, ReduceOp, WireDType};
+pub use env::{DEFAULT_MASTER_PORT, LaunchEnv, LaunchFlags, LaunchSource, expand_nodelist};
+pub use error::CommError;
+pub use group::{CommOptions, DEBUG_ENV, ProcessGroup, TIMEOUT_ENV, parse_timeout};
+pub use layout::{split_ranges, split_sizes};
+pub use mailbox::OpKind;
+pub use store::{StoreClient, StoreServer};

@@ -1,0 +1,388 @@
+//! The `tcp` transport: one process per rank, one TCP connection per pair of ranks.
+//!
+//! Ranks find each other through the rendezvous store: each publishes the address of its own
+//! listener, connects to every lower rank and accepts every higher one. Each connection has a
+//! writer thread (sends return at once and a collective's sends overlap its receives) and a reader
+//! thread that decodes frames into the mailbox. A broken connection marks the peer lost, so
+//! pending and later receives from it fail at once instead of waiting for the deadline.
+//!
+//! Frame: magic, key (group, channel, id, part), descriptor (op, seq, dtype, arg, shape), payload
+//! (dtype, element count, raw little-endian elements).
+
+use std::io::{self, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::Transport;
+use crate::comm::buffer::Payload;
+use crate::comm::element::{WireDType, with_elem_type};
+use crate::comm::error::CommError;
+use crate::comm::mailbox::{Channel, Descriptor, Key, Mailbox, Message, OpKind};
+use crate::comm::store::StoreClient;
+
+const FRAME_MAGIC: u32 = 0x5746_4d31; // "WFM1"
+const HELLO_MAGIC: u32 = 0x5746_4831; // "WFH1"
+/// Pieces of this size keep both cores busy: one receives while the other reduces.
+const PIECE_BYTES: usize = 1 << 20;
+
+struct Peer {
+    queue: Option<mpsc::Sender<Message>>,
+    stream: TcpStream,
+    writer: Option<JoinHandle<()>>,
+}
+
+pub(crate) struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    peers: Vec<Option<Peer>>,
+    mailbox: Arc<Mailbox>,
+}
+
+impl TcpTransport {
+    /// Connects this rank to every other rank, using `store` to exchange addresses.
+    pub(crate) fn connect(
+        rank: usize,
+        world_size: usize,
+        store: &StoreClient,
+        timeout: Duration,
+    ) -> Result<Self, CommError> {
+        let deadline = Instant::now() + timeout;
+        let listener = TcpListener::bind(("0.0.0.0", 0))
+            .map_err(|e| CommError::io("binding this rank's listener", e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| CommError::io("reading this rank's listener address", e))?
+            .port();
+        let ip = store.local_ip()?;
+        store.set(&peer_key(rank), format!("{ip}:{port}").as_bytes())?;
+        wait_for_everyone(store, world_size, timeout)?;
+
+        let mailbox = Arc::new(Mailbox::default());
+        let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
+        for peer in 0..rank {
+            let stream = dial(store, rank, world_size, peer)?;
+            peers[peer] = Some(start_peer(stream, rank, peer, &mailbox)?);
+        }
+        for _ in rank + 1..world_size {
+            let (stream, peer) = accept(&listener, world_size, deadline)?;
+            if peer <= rank || peers[peer].is_some() {
+                return Err(CommError::Rendezvous(format!(
+                    "rank {rank} got an unexpected connection claiming to be rank {peer}"
+                )));
+            }
+            peers[peer] = Some(start_peer(stream, rank, peer, &mailbox)?);
+        }
+        Ok(Self {
+            rank,
+            world_size,
+            peers,
+            mailbox,
+        })
+    }
+}
+
+fn peer_key(rank: usize) -> String {
+    format!("wildfire/peer/{rank}")
+}
+
+/// Waits until every rank has published its address; names the ones that never did.
+fn wait_for_everyone(
+    store: &StoreClient,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<(), CommError> {
+    store.add("wildfire/arrived", 1)?;
+    if store.wait_at_least("wildfire/arrived", world_size as i64)? {
+        return Ok(());
+    }
+    let mut missing = Vec::new();
+    for rank in 0..world_size {
+        if store.get_within(&peer_key(rank), Duration::ZERO)?.is_none() {
+            missing.push(rank);
+        }
+    }
+    Err(CommError::Rendezvous(format!(
+        "rank(s) {missing:?} of {world_size} never arrived within {:.1} s",
+        timeout.as_secs_f64()
+    )))
+}
+
+fn dial(
+    store: &StoreClient,
+    rank: usize,
+    world_size: usize,
+    peer: usize,
+) -> Result<TcpStream, CommError> {
+    let addr = store
+        .get(&peer_key(peer))?
+        .ok_or_else(|| CommError::Rendezvous(format!("rank {peer} never published its address")))?;
+    let addr = String::from_utf8_lossy(&addr).into_owned();
+    let mut stream = TcpStream::connect(&addr).map_err(|e| {
+        CommError::Rendezvous(format!(
+            "rank {rank} cannot connect to rank {peer} at {addr}: {e}"
+        ))
+    })?;
+    let mut hello = HELLO_MAGIC.to_le_bytes().to_vec();
+    hello.extend_from_slice(&(rank as u64).to_le_bytes());
+    hello.extend_from_slice(&(world_size as u64).to_le_bytes());
+    stream
+        .write_all(&hello)
+        .map_err(|e| CommError::io(format!("greeting rank {peer} at {addr}"), e))?;
+    Ok(stream)
+}
+
+fn accept(
+    listener: &TcpListener,
+    world_size: usize,
+    deadline: Instant,
+) -> Result<(TcpStream, usize), CommError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| CommError::io("configuring the listener", e))?;
+    loop {
+        match listener.accept() {
+            Ok((mut stream, from)) => {
+                stream
+                    .set_nonblocking(false)
+                    .and_then(|()| stream.set_read_timeout(Some(Duration::from_secs(10))))
+                    .map_err(|e| CommError::io("configuring a peer connection", e))?;
+                let mut hello = [0u8; 20];
+                stream
+                    .read_exact(&mut hello)
+                    .map_err(|e| CommError::io(format!("reading the greeting from {from}"), e))?;
+                let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap_or_default());
+                let peer = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default()) as usize;
+                let their_world =
+                    u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default()) as usize;
+                if magic != HELLO_MAGIC || their_world != world_size || peer >= world_size {
+                    return Err(CommError::Rendezvous(format!(
+                        "connection from {from} is not a rank of this job (rank {peer}, world size \
+                         {their_world}, expected world size {world_size})"
+                    )));
+                }
+                stream
+                    .set_read_timeout(None)
+                    .map_err(|e| CommError::io("configuring a peer connection", e))?;
+                return Ok((stream, peer));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(CommError::Rendezvous(
+                        "timed out waiting for higher ranks to connect".into(),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(CommError::io("accepting a peer connection", e)),
+        }
+    }
+}
+
+fn start_peer(
+    stream: TcpStream,
+    rank: usize,
+    peer: usize,
+    mailbox: &Arc<Mailbox>,
+) -> Result<Peer, CommError> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| CommError::io("configuring a peer connection", e))?;
+    let clone = || {
+        stream
+            .try_clone()
+            .map_err(|e| CommError::io("cloning a peer connection", e))
+    };
+    let (reader_stream, writer_stream) = (clone()?, clone()?);
+    let reader_mailbox = mailbox.clone();
+    std::thread::Builder::new()
+        .name(format!("wildfire-recv-{peer}"))
+        .spawn(move || read_loop(reader_stream, peer, &reader_mailbox))
+        .map_err(|e| CommError::io("starting a reader thread", e))?;
+    let (queue, outgoing) = mpsc::channel();
+    let writer_mailbox = mailbox.clone();
+    let writer = std::thread::Builder::new()
+        .name(format!("wildfire-send-{peer}"))
+        .spawn(move || write_loop(writer_stream, rank, peer, &outgoing, &writer_mailbox))
+        .map_err(|e| CommError::io("starting a writer thread", e))?;
+    Ok(Peer {
+        queue: Some(queue),
+        stream,
+        writer: Some(writer),
+    })
+}
+
+fn read_loop(stream: TcpStream, peer: usize, mailbox: &Mailbox) {
+    let mut reader = BufReader::with_capacity(1 << 16, stream);
+    loop {
+        match read_frame(&mut reader) {
+            Ok(message) => mailbox.deliver(peer, message),
+            Err(e) => {
+                let reason = if e.kind() == io::ErrorKind::UnexpectedEof {
+                    format!("rank {peer} closed its connection (process exited?)")
+                } else {
+                    format!("connection to rank {peer} failed: {e}")
+                };
+                mailbox.mark_lost(peer, reason);
+                return;
+            }
+        }
+    }
+}
+
+fn write_loop(
+    mut stream: TcpStream,
+    rank: usize,
+    peer: usize,
+    outgoing: &mpsc::Receiver<Message>,
+    mailbox: &Mailbox,
+) {
+    for message in outgoing {
+        if let Err(e) = write_frame(&mut stream, &message) {
+            mailbox.mark_lost(
+                peer,
+                format!("rank {rank} could not send to rank {peer}: {e}"),
+            );
+            return;
+        }
+    }
+    let _ = stream.flush();
+}
+
+fn write_frame(stream: &mut TcpStream, message: &Message) -> io::Result<()> {
+    let Message { key, desc, payload } = message;
+    let mut head = Vec::with_capacity(64 + 8 * desc.shape.len());
+    head.extend_from_slice(&FRAME_MAGIC.to_le_bytes());
+    head.extend_from_slice(&key.group.to_le_bytes());
+    head.push(key.channel.code());
+    head.extend_from_slice(&key.id.to_le_bytes());
+    head.extend_from_slice(&key.part.to_le_bytes());
+    head.push(desc.op.code());
+    head.extend_from_slice(&desc.seq.to_le_bytes());
+    head.push(desc.dtype as u8);
+    head.extend_from_slice(&desc.arg.to_le_bytes());
+    head.extend_from_slice(&(desc.shape.len() as u32).to_le_bytes());
+    for d in &desc.shape {
+        head.extend_from_slice(&(*d as u64).to_le_bytes());
+    }
+    head.push(payload.dtype() as u8);
+    head.extend_from_slice(&(payload.elems() as u64).to_le_bytes());
+    stream.write_all(&head)?;
+    stream.write_all(payload.bytes())
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("malformed frame: {what}"),
+    )
+}
+
+fn read_frame(r: &mut impl Read) -> io::Result<Message> {
+    let u8s = |r: &mut dyn Read| -> io::Result<u8> {
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b)?;
+        Ok(b[0])
+    };
+    let u32s = |r: &mut dyn Read| -> io::Result<u32> {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b)?;
+        Ok(u32::from_le_bytes(b))
+    };
+    let u64s = |r: &mut dyn Read| -> io::Result<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b)?;
+        Ok(u64::from_le_bytes(b))
+    };
+    if u32s(r)? != FRAME_MAGIC {
+        return Err(invalid("bad magic"));
+    }
+    let group = u64s(r)?;
+    let channel = Channel::from_code(u8s(r)?).ok_or_else(|| invalid("channel"))?;
+    let id = u64s(r)?;
+    let part = u32s(r)?;
+    let op = OpKind::from_code(u8s(r)?).ok_or_else(|| invalid("op"))?;
+    let seq = u64s(r)?;
+    let dtype = WireDType::from_code(u8s(r)?).ok_or_else(|| invalid("dtype"))?;
+    let arg = u64s(r)?;
+    let ndim = u32s(r)? as usize;
+    if ndim > 64 {
+        return Err(invalid("rank of shape"));
+    }
+    let shape = (0..ndim)
+        .map(|_| u64s(r).map(|d| d as usize))
+        .collect::<io::Result<Vec<_>>>()?;
+    let payload_dtype = WireDType::from_code(u8s(r)?).ok_or_else(|| invalid("payload dtype"))?;
+    let elems = u64s(r)? as usize;
+    let payload = with_elem_type!(payload_dtype, E => {
+        let mut data: Vec<E> = bytemuck::zeroed_vec(elems);
+        r.read_exact(bytemuck::cast_slice_mut(&mut data))?;
+        Payload::owned(data)
+    });
+    Ok(Message {
+        key: Key {
+            group,
+            channel,
+            id,
+            part,
+        },
+        desc: Descriptor {
+            op,
+            seq,
+            dtype,
+            shape,
+            arg,
+        },
+        payload,
+    })
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+    fn piece_bytes(&self) -> usize {
+        PIECE_BYTES
+    }
+    fn send(&self, dst: usize, message: Message) -> Result<(), String> {
+        if let Some(reason) = self.mailbox.lost_reason(dst) {
+            return Err(reason);
+        }
+        let queue = self.peers[dst]
+            .as_ref()
+            .and_then(|p| p.queue.as_ref())
+            .ok_or_else(|| format!("no connection to rank {dst}"))?;
+        queue
+            .send(message)
+            .map_err(|_| format!("the sender to rank {dst} has stopped"))
+    }
+    fn mailbox(&self) -> &Mailbox {
+        &self.mailbox
+    }
+}
+
+impl Drop for TcpTransport {
+    /// Flushes queued messages (bounded wait), then closes every connection.
+    fn drop(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for peer in self.peers.iter_mut().flatten() {
+            peer.queue = None;
+        }
+        for peer in self.peers.iter_mut().flatten() {
+            if let Some(writer) = peer.writer.take() {
+                while !writer.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            let _ = peer.stream.shutdown(Shutdown::Both);
+        }
+    }
+}

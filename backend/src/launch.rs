@@ -1,0 +1,386 @@
+//! The process launcher behind `wildfire launch`: starts one process per local rank with
+//! torchrun's variables, prefixes their output with the rank, and supervises them.
+//!
+//! - When a rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
+//!   the launch fails naming the rank and its exit status or signal.
+//! - With `max_restarts`, the whole group is started again (ranks resume from their last
+//!   checkpoint); `WILDFIRE_RESTART_COUNT` tells them which attempt they are.
+//! - No process outlives the launcher: each rank runs in its own process group, which is killed
+//!   on the way out, and the kernel kills a rank whose launcher dies (`PR_SET_PDEATHSIG`).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::comm::DEFAULT_MASTER_PORT;
+
+/// How to launch a job on this node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchConfig {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub max_restarts: usize,
+    /// How long ranks get to exit after SIGTERM before SIGKILL.
+    pub grace: Duration,
+    /// The program and its arguments.
+    pub command: Vec<String>,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        Self {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            max_restarts: 0,
+            grace: Duration::from_secs(5),
+            command: Vec::new(),
+        }
+    }
+}
+
+/// Why a launch failed.
+#[derive(Debug, Error)]
+pub enum LaunchError {
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+    #[error("cannot start rank {rank} ({program:?}): {source}")]
+    Spawn {
+        rank: usize,
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("rank {rank} (pid {pid}) {status}; stopped the other ranks{restarts}")]
+    RankFailed {
+        rank: usize,
+        pid: u32,
+        status: String,
+        restarts: String,
+    },
+    #[error("interrupted by signal {0}; stopped all ranks")]
+    Interrupted(i32),
+}
+
+impl LaunchError {
+    /// The exit code the launcher should end with.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LaunchError::Interrupted(signal) => 128 + signal,
+            _ => 1,
+        }
+    }
+}
+
+impl LaunchConfig {
+    /// Checks the numbers before anything starts.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        if self.nproc_per_node == 0 {
+            return Err(LaunchError::Invalid(
+                "--nproc-per-node must be at least 1, got 0".into(),
+            ));
+        }
+        if self.nnodes == 0 {
+            return Err(LaunchError::Invalid(
+                "--nnodes must be at least 1, got 0".into(),
+            ));
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(LaunchError::Invalid(format!(
+                "--node-rank {} must be below --nnodes {}",
+                self.node_rank, self.nnodes
+            )));
+        }
+        if self.command.is_empty() {
+            return Err(LaunchError::Invalid(
+                "no command to launch: give it after `--`, e.g. `wildfire launch --nproc-per-node 2 -- wildfire train`".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+}
+
+/// Set by the signal handler: the signal that asked the launcher to stop, or 0.
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    STOP_SIGNAL.store(signal, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            libc::signal(signal, on_stop_signal as *const () as libc::sighandler_t);
+        }
+    }
+}
+
+struct Rank {
+    pid: u32,
+    pumps: Vec<JoinHandle<()>>,
+    waiter: Option<JoinHandle<()>>,
+}
+
+/// A rank's exit, reported by its waiter thread the moment it happens, so that the first failure
+/// is the one named even when the others fail right after it.
+struct Exit {
+    rank: usize,
+    pid: u32,
+    status: std::io::Result<ExitStatus>,
+}
+
+/// Runs the job; returns once every rank exited successfully, or with the first failure.
+pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
+    config.validate()?;
+    install_signal_handlers();
+    let mut attempt = 0;
+    loop {
+        let (exit_tx, exit_rx) = mpsc::channel();
+        let mut ranks = spawn_all(config, attempt, &exit_tx)?;
+        let outcome = supervise(&ranks, &exit_rx);
+        stop_all(&mut ranks, config.grace);
+        match outcome {
+            Outcome::Success => return Ok(()),
+            Outcome::Interrupted(signal) => return Err(LaunchError::Interrupted(signal)),
+            Outcome::Failed { rank, pid, status } => {
+                if attempt < config.max_restarts {
+                    attempt += 1;
+                    eprintln!(
+                        "[launch] rank {rank} (pid {pid}) {status}; restarting all ranks (restart {attempt} of {})",
+                        config.max_restarts
+                    );
+                    continue;
+                }
+                let restarts = if config.max_restarts > 0 {
+                    format!(" (after {} restart(s), none left)", config.max_restarts)
+                } else {
+                    String::new()
+                };
+                return Err(LaunchError::RankFailed {
+                    rank,
+                    pid,
+                    status,
+                    restarts,
+                });
+            }
+        }
+    }
+}
+
+enum Outcome {
+    Success,
+    Failed {
+        rank: usize,
+        pid: u32,
+        status: String,
+    },
+    Interrupted(i32),
+}
+
+fn spawn_all(
+    config: &LaunchConfig,
+    attempt: usize,
+    exits: &mpsc::Sender<Exit>,
+) -> Result<Vec<Rank>, LaunchError> {
+    let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
+    for local_rank in 0..config.nproc_per_node {
+        let rank = config.node_rank * config.nproc_per_node + local_rank;
+        match spawn_rank(config, rank, local_rank, attempt, exits) {
+            Ok(r) => ranks.push(r),
+            Err(e) => {
+                stop_all(&mut ranks, config.grace);
+                return Err(e);
+            }
+        }
+    }
+    Ok(ranks)
+}
+
+fn spawn_rank(
+    config: &LaunchConfig,
+    rank: usize,
+    local_rank: usize,
+    attempt: usize,
+    exits: &mpsc::Sender<Exit>,
+) -> Result<Rank, LaunchError> {
+    let mut command = Command::new(&config.command[0]);
+    command
+        .args(&config.command[1..])
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", local_rank.to_string())
+        .env("WORLD_SIZE", config.world_size().to_string())
+        .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+        .env("GROUP_RANK", config.node_rank.to_string())
+        .env("MASTER_ADDR", &config.master_addr)
+        .env("MASTER_PORT", config.master_port.to_string())
+        .env("WILDFIRE_RESTART_COUNT", attempt.to_string())
+        .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid) run between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            // Own process group, so that stopping a rank stops everything it started.
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Die with the launcher (the spawning thread is the main thread, which lives as long).
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() == 1 {
+                return Err(std::io::Error::other("the launcher exited during start-up"));
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
+        rank,
+        program: config.command[0].clone(),
+        source,
+    })?;
+    let mut pumps = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        pumps.push(pump(out, rank, false));
+    }
+    if let Some(err) = child.stderr.take() {
+        pumps.push(pump(err, rank, true));
+    }
+    let pid = child.id();
+    let exits = exits.clone();
+    let waiter = std::thread::spawn(move || {
+        let status = child.wait();
+        let _ = exits.send(Exit { rank, pid, status });
+    });
+    Ok(Rank {
+        pid,
+        pumps,
+        waiter: Some(waiter),
+    })
+}
+
+/// Copies a rank's output line by line, each prefixed with `[rank N] `.
+fn pump(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    let mut prefixed = format!("[rank {rank}] ").into_bytes();
+                    prefixed.extend_from_slice(&line);
+                    let _ = if to_stderr {
+                        std::io::stderr().lock().write_all(&prefixed)
+                    } else {
+                        std::io::stdout().lock().write_all(&prefixed)
+                    };
+                }
+            }
+        }
+    })
+}
+
+/// Waits until all ranks succeed, one fails, or a stop signal arrives.
+fn supervise(ranks: &[Rank], exits: &mpsc::Receiver<Exit>) -> Outcome {
+    let mut succeeded = 0;
+    while succeeded < ranks.len() {
+        let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+        if signal != 0 {
+            return Outcome::Interrupted(signal);
+        }
+        match exits.recv_timeout(Duration::from_millis(20)) {
+            Ok(Exit {
+                status: Ok(status), ..
+            }) if status.success() => succeeded += 1,
+            Ok(Exit { rank, pid, status }) => {
+                let status = match status {
+                    Ok(status) => describe_status(status),
+                    Err(e) => format!("could not be waited for ({e})"),
+                };
+                return Outcome::Failed { rank, pid, status };
+            }
+            Err(_) => {}
+        }
+    }
+    Outcome::Success
+}
+
+fn signal_group(pid: u32, signal: i32) {
+    // SAFETY: kill(2) with a negative pid signals the process group the rank leads.
+    unsafe {
+        libc::kill(-(pid as libc::pid_t), signal);
+    }
+}
+
+/// Stops every rank and everything it started, and reaps them.
+fn stop_all(ranks: &mut [Rank], grace: Duration) {
+    for r in ranks.iter() {
+        // Whole process groups, exited or not: a rank's children may outlive it.
+        signal_group(r.pid, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline
+        && ranks
+            .iter()
+            .any(|r| r.waiter.as_ref().is_some_and(|w| !w.is_finished()))
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for r in ranks.iter_mut() {
+        signal_group(r.pid, libc::SIGKILL);
+        if let Some(waiter) = r.waiter.take() {
+            let _ = waiter.join();
+        }
+        for pump in r.pumps.drain(..) {
+            let _ = pump.join();
+        }
+    }
+}
+
+/// "exited with status 3" or "was killed by signal 9 (SIGKILL)".
+pub fn describe_status(status: ExitStatus) -> String {
+    if let Some(code) = status.code() {
+        return format!("exited with status {code}");
+    }
+    match status.signal() {
+        Some(signal) => format!("was killed by signal {signal} ({})", signal_name(signal)),
+        None => format!("ended with {status}"),
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGPIPE => "SIGPIPE",
+        _ => "signal",
+    }
+}

@@ -1,0 +1,193 @@
+//! The `wildfire` command line: argument definitions and the commands behind them.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use burn::backend::Flex;
+use clap::{Args, Parser, Subcommand};
+use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
+use wildfire_backend::launch::{self, LaunchConfig};
+
+#[derive(Debug, Parser)]
+#[command(name = "wildfire", version, about = "Distributed LLM training on Burn")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start one process per local rank with torchrun's variables and supervise them.
+    Launch(LaunchArgs),
+    /// Check every collective with rank-stamped data, exactly, on this job's ranks.
+    CommCheck(CommCheckArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Processes (ranks) to start on this node.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Nodes in the job; run one launcher per node.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index in 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0, where rank 0 serves the rendezvous store.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    #[arg(long, default_value_t = comm::DEFAULT_MASTER_PORT)]
+    pub master_port: u16,
+    /// Restart the whole group this many times when a rank fails.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Seconds ranks get to exit after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 5.0)]
+    pub grace_secs: f64,
+    /// The command each rank runs.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// Where this process sits in the job, when no launcher says so.
+#[derive(Debug, Args)]
+pub struct RankArgs {
+    /// This process's rank (overrides RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// Number of ranks in the job (overrides WORLD_SIZE and friends).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    #[arg(long)]
+    pub local_rank: Option<usize>,
+    /// Rendezvous host (overrides MASTER_ADDR).
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Rendezvous port (overrides MASTER_PORT).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Deadline of every blocking communication call, in seconds (overrides WILDFIRE_COMM_TIMEOUT; default 300).
+    #[arg(long)]
+    pub comm_timeout: Option<f64>,
+}
+
+impl RankArgs {
+    fn flags(&self) -> LaunchFlags {
+        LaunchFlags {
+            rank: self.rank,
+            world_size: self.world_size,
+            local_rank: self.local_rank,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+        }
+    }
+
+    fn options(&self) -> anyhow::Result<CommOptions> {
+        let mut options = CommOptions::from_env()?;
+        if let Some(secs) = self.comm_timeout {
+            options.timeout = comm::parse_timeout(&secs.to_string()).with_context(|| {
+                format!("--comm-timeout {secs} is not a positive number of seconds")
+            })?;
+        }
+        Ok(options)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct CommCheckArgs {
+    #[command(flatten)]
+    pub ranks: RankArgs,
+    /// Run this many ranks as threads of this process (local transport) instead of joining a
+    /// launched job.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Skip the 4 MiB size (quicker).
+    #[arg(long)]
+    pub small: bool,
+}
+
+/// Runs the command; returns the process exit code.
+pub fn run(cli: Cli) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Launch(args) => run_launch(args),
+        Command::CommCheck(args) => run_comm_check(args),
+    }
+}
+
+fn run_launch(args: LaunchArgs) -> anyhow::Result<i32> {
+    if !(args.grace_secs.is_finite() && args.grace_secs >= 0.0) {
+        bail!(
+            "--grace-secs {} must be a non-negative number",
+            args.grace_secs
+        );
+    }
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        max_restarts: args.max_restarts,
+        grace: Duration::from_secs_f64(args.grace_secs),
+        command: args.command,
+    };
+    match launch::launch(&config) {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            eprintln!("wildfire launch: {e}");
+            Ok(e.exit_code())
+        }
+    }
+}
+
+fn run_comm_check(args: CommCheckArgs) -> anyhow::Result<i32> {
+    let options = args.ranks.options()?;
+    let worlds = match args.threads {
+        Some(n) => ProcessGroup::local_world(n, options)?,
+        None => vec![ProcessGroup::init(
+            &LaunchEnv::detect(&args.ranks.flags())?,
+            options,
+        )?],
+    };
+    let large = !args.small;
+    let handles: Vec<_> = worlds
+        .into_iter()
+        .map(|world| std::thread::spawn(move || check_one(&world, large)))
+        .collect();
+    let mut failed = false;
+    for handle in handles {
+        match handle.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                eprintln!("comm-check FAILED: {e}");
+                failed = true;
+            }
+            Err(_) => {
+                eprintln!("comm-check FAILED: a rank panicked");
+                failed = true;
+            }
+        }
+    }
+    Ok(i32::from(failed))
+}
+
+fn check_one(world: &ProcessGroup, large: bool) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let summary = selfcheck::run::<Flex>(world, &Default::default(), large)?;
+    println!(
+        "comm-check passed: rank {} of {} ({} transport), {} exact checks in {:.2} s{}",
+        world.rank(),
+        world.size(),
+        world.transport_name(),
+        summary.checks,
+        started.elapsed().as_secs_f64(),
+        if summary.skipped.is_empty() {
+            String::new()
+        } else {
+            format!("; skipped: {}", summary.skipped.join("; "))
+        }
+    );
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! Helpers for wildfire's multi-rank tests: ranks as threads with a hard timeout, and the
+//! `wildfire` binary run as real processes with a hard timeout.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use wildfire_backend::comm::{CommOptions, ProcessGroup};
+
+/// Runs `f` on every rank of a local world of `n` threads and returns the results in rank order.
+/// Panics (failing the test, never hanging it) if the ranks are not all done within `limit`.
+pub fn run_ranks<R, F>(n: usize, options: CommOptions, limit: Duration, f: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(ProcessGroup) -> R + Send + Sync + 'static,
+{
+    let f = std::sync::Arc::new(f);
+    let (done, results) = mpsc::channel();
+    for group in ProcessGroup::local_world(n, options).expect("local world") {
+        let (f, done) = (f.clone(), done.clone());
+        std::thread::spawn(move || {
+            let rank = group.rank();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(group)));
+            let _ = done.send((rank, result));
+        });
+    }
+    let deadline = Instant::now() + limit;
+    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match results.recv_timeout(left) {
+            Ok((rank, Ok(r))) => out[rank] = Some(r),
+            Ok((rank, Err(_))) => panic!("rank {rank} panicked"),
+            Err(_) => {
+                let missing: Vec<usize> = (0..n).filter(|r| out[*r].is_none()).collect();
+                panic!("hard timeout: ranks {missing:?} still running after {limit:?}");
+            }
+        }
+    }
+    out.into_iter()
+        .map(|r| r.expect("every rank reported"))
+        .collect()
+}
+
+/// Options with a short deadline, for tests.
+pub fn options(timeout_secs: f64, debug: bool) -> CommOptions {
+    CommOptions {
+        timeout: Duration::from_secs_f64(timeout_secs),
+        debug,
+    }
+}
+
+/// The `wildfire` binary of this build (`cargo test` builds it with the workspace).
+pub fn wildfire_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target directory");
+    let bin = dir.join("wildfire");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build --release -p wildfire-recipes` (cargo test --workspace does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+        .port()
+}
+
+/// What a finished command printed.
+#[derive(Debug)]
+pub struct Finished {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl Finished {
+    pub fn output(&self) -> String {
+        format!("{}\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs a command; kills it and fails the test if it is not done within `limit`.
+pub fn run_with_limit(command: &mut Command, limit: Duration) -> Finished {
+    let started = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start command");
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("stdout")));
+    let err = drain(Box::new(child.stderr.take().expect("stderr")));
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return Finished {
+                code: status.code(),
+                stdout: out.join().expect("stdout"),
+                stderr: err.join().expect("stderr"),
+                elapsed: started.elapsed(),
+            };
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "hard timeout: {command:?} still running after {limit:?}; output so far:\n{}\n{}",
+                out.join().unwrap_or_default(),
+                err.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `wildfire launch --nproc-per-node n --master-port <free> -- <command>`.
+pub fn launch(n: usize, extra: &[&str], command: &[&str]) -> Command {
+    let mut cmd = Command::new(wildfire_bin());
+    cmd.args([
+        "launch",
+        "--nproc-per-node",
+        &n.to_string(),
+        "--master-port",
+        &free_port().to_string(),
+    ])
+    .args(extra)
+    .arg("--")
+    .args(command);
+    cmd
+}
+
+/// Whether a process exists (zombies included).
+pub fn process_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
