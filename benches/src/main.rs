@@ -1,1 +1,31 @@
-fn main() {}
+//! wildfire's benchmark harness: `cargo run --release -p wildfire-benches -- <subcommand>`.
+
+mod comm;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "wildfire-benches",
+    about = "wildfire benchmarks (ratios are measured side by side in one run)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Collective bandwidth of every op on the local and tcp transports, against a memcpy baseline.
+    Comm(comm::CommArgs),
+    /// One rank of a tcp measurement (started by `comm` through the launcher).
+    #[command(hide = true)]
+    CommWorker(comm::WorkerArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Comm(args) => comm::run(args),
+        Command::CommWorker(args) => comm::worker(args),
+    }
+}

@@ -1,17 +1,17 @@
 //! The collectives, on host buffers, written once over the [`Transport`](super::transport) trait.
 //!
-//! All-reduce is a reduce-scatter followed by an all-gather, both in place in the caller's buffer:
-//! rank r owns chunk r of the flat buffer (chunks split as in `layout`), receives chunk r from
-//! every peer, folds the n inputs in rank order into its own buffer, and sends the result to every
-//! peer, who copy it into theirs. Per rank that is (n−1)/n of the data out and in, twice, which is
-//! the bandwidth-optimal volume (the 2(n−1)/n of nccl-tests' bus bandwidth). Chunks are cut into
-//! pieces of the transport's `piece_bytes`, so that on TCP the receive of one piece overlaps the
-//! fold of the previous one. One owner computes each element, so every rank ends bitwise equal.
+//! All-reduce works in place in the caller's buffer. Rank r owns chunk r of the flat buffer
+//! (chunks split as in `layout`) and folds chunk r of all n buffers in rank order. Where ranks
+//! share memory, it writes the result straight back into every buffer; over a network it sends
+//! the result to every peer (reduce-scatter, then all-gather, pipelined in pieces). One owner
+//! computes each element, so every rank ends bitwise equal, and equal to the serial fold.
 
 use std::ops::Range;
 
 use super::buffer::{Payload, SharedBuf};
-use super::element::{CommElem, ReduceOp, WireDType, fold_in_place};
+use std::sync::Arc;
+
+use super::element::{CommElem, ReduceOp, WireDType, fold_in_place, fold_regions};
 use super::error::CommError;
 use super::group::{OpCtx, ProcessGroup};
 use super::layout::{AlongDim, concat, split_ranges};
@@ -55,6 +55,14 @@ fn pieces(range: &Range<usize>, max: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// Collects the results of every send and returns the first failure: a dead peer must not leave
+/// the healthy ones waiting on this rank.
+fn all_sent(results: impl IntoIterator<Item = Result<(), CommError>>) -> Result<(), CommError> {
+    results
+        .into_iter()
+        .fold(Ok(()), |first, result| first.and(result))
+}
+
 fn peers_of(group: &ProcessGroup) -> Vec<usize> {
     (0..group.size()).filter(|p| *p != group.rank()).collect()
 }
@@ -87,7 +95,7 @@ impl OpCtx<'_> {
     }
 
     /// Takes back a buffer whose views were sent to peers, once they are done with it.
-    fn reclaim<E: CommElem>(&self, buf: std::sync::Arc<SharedBuf<E>>) -> Result<Vec<E>, CommError> {
+    fn reclaim<E: CommElem>(&self, buf: Arc<SharedBuf<E>>) -> Result<Vec<E>, CommError> {
         SharedBuf::into_vec(buf, self.deadline).map_err(|_| CommError::Timeout {
             op: self.desc.op,
             seq: self.desc.seq,
@@ -99,6 +107,91 @@ impl OpCtx<'_> {
 
     fn piece_elems<E>(&self) -> usize {
         self.group.inner.transport.piece_bytes() / size_of::<E>().max(1)
+    }
+
+    /// All-reduce of ranks that share memory: every rank grants each peer q its chunk q; rank r
+    /// folds chunk r of all buffers and writes the result straight back into all of them, then
+    /// tells the peers it is done. Per rank that reads and writes the buffer once, the volume
+    /// of a memcpy, whatever the group size.
+    fn all_reduce_shared<E: CommElem>(
+        &self,
+        buf: &Arc<SharedBuf<E>>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (me, peers) = (self.group.rank(), peers_of(self.group));
+        let chunks = split_ranges(buf.len(), self.group.size());
+        all_sent(
+            peers
+                .iter()
+                .map(|&q| self.send(q, part(0, 0), Payload::view(buf, chunks[q].clone()))),
+        )?;
+        let granted = self.recv_all(&peers, part(0, 0))?;
+        let mut regions = Vec::with_capacity(self.group.size());
+        for (message, &q) in granted.iter().zip(&peers) {
+            self.check_same_shape(q, &message.desc)?;
+            // Checks dtype and length; the region itself is then written through its pointer.
+            self.elements::<E>(q, message, chunks[me].len())?;
+            let (ptr, _) = message
+                .payload
+                .region_ptr::<E>()
+                .expect("dtype checked above");
+            regions.push(ptr);
+        }
+        regions.insert(me, buf.ptr_at(chunks[me].start));
+        // SAFETY: every peer granted this rank its chunk `me` until the `done` message below and
+        // touches it no more; no other rank touches chunk `me` of this rank's buffer.
+        unsafe { fold_regions(&regions, chunks[me].len(), op) };
+        drop(granted);
+        all_sent(
+            peers
+                .iter()
+                .map(|&q| self.send(q, part(1, 0), Payload::empty())),
+        )?;
+        // Once every peer is done, all chunks of this buffer hold their results.
+        self.recv_all(&peers, part(1, 0)).map(drop)
+    }
+
+    /// All-reduce over a network: reduce-scatter then all-gather, in place, in pieces of the
+    /// transport's `piece_bytes` so that receiving a piece overlaps folding the previous one.
+    /// Per rank, 2(n−1)/n of the buffer goes out and comes in: the bandwidth-optimal volume.
+    fn all_reduce_streamed<E: CommElem>(
+        &self,
+        buf: &Arc<SharedBuf<E>>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (me, peers) = (self.group.rank(), peers_of(self.group));
+        let chunks = split_ranges(buf.len(), self.group.size());
+        let max = self.piece_elems::<E>();
+        all_sent(peers.iter().flat_map(|&q| {
+            let sends = pieces(&chunks[q], max).into_iter().enumerate();
+            sends.map(move |(p, piece)| self.send(q, part(0, p), Payload::view(buf, piece)))
+        }))?;
+        for (p, piece) in pieces(&chunks[me], max).into_iter().enumerate() {
+            let messages = self.recv_all(&peers, part(0, p))?;
+            let mut inputs = Vec::with_capacity(peers.len());
+            for (message, &q) in messages.iter().zip(&peers) {
+                self.check_same_shape(q, &message.desc)?;
+                inputs.push(self.elements::<E>(q, message, piece.len())?);
+            }
+            // SAFETY: peers never read chunk `me` of this buffer before the sends just below.
+            fold_in_place(unsafe { buf.region_mut(piece.clone()) }, me, &inputs, op);
+            drop(messages);
+            all_sent(
+                peers
+                    .iter()
+                    .map(|&q| self.send(q, part(1, p), Payload::view(buf, piece.clone()))),
+            )?;
+        }
+        for &q in &peers {
+            for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
+                let message = self.recv(q, part(1, p))?;
+                let reduced = self.elements::<E>(q, &message, piece.len())?;
+                // SAFETY: rank q sent its result for this piece, so it has finished reading it; no
+                // other rank reads chunk q of this buffer.
+                unsafe { buf.region_mut(piece) }.copy_from_slice(reduced);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -123,38 +216,11 @@ impl ProcessGroup {
         if self.size() == 1 {
             return Ok(input);
         }
-        let (me, peers) = (self.rank(), peers_of(self));
-        let chunks = split_ranges(input.data.len(), self.size());
-        let max = ctx.piece_elems::<E>();
         let buf = SharedBuf::new(input.data);
-
-        for &q in &peers {
-            for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
-                ctx.send(q, part(0, p), Payload::view(&buf, piece))?;
-            }
-        }
-        for (p, piece) in pieces(&chunks[me], max).into_iter().enumerate() {
-            let messages = ctx.recv_all(&peers, part(0, p))?;
-            let mut inputs = Vec::with_capacity(peers.len());
-            for (message, &q) in messages.iter().zip(&peers) {
-                ctx.check_same_shape(q, &message.desc)?;
-                inputs.push(ctx.elements::<E>(q, message, piece.len())?);
-            }
-            // SAFETY: peers never read chunk `me` of this buffer before the sends just below.
-            fold_in_place(unsafe { buf.region_mut(piece.clone()) }, me, &inputs, op);
-            drop(messages);
-            for &q in &peers {
-                ctx.send(q, part(1, p), Payload::view(&buf, piece.clone()))?;
-            }
-        }
-        for &q in &peers {
-            for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
-                let message = ctx.recv(q, part(1, p))?;
-                let reduced = ctx.elements::<E>(q, &message, piece.len())?;
-                // SAFETY: rank q sent its result for this piece, so it has finished reading it; no
-                // other rank reads chunk q of this buffer.
-                unsafe { buf.region_mut(piece) }.copy_from_slice(reduced);
-            }
+        if self.inner.transport.shares_memory() {
+            ctx.all_reduce_shared(&buf, op)?;
+        } else {
+            ctx.all_reduce_streamed(&buf, op)?;
         }
         Ok(HostTensor {
             data: ctx.reclaim(buf)?,
@@ -196,9 +262,11 @@ impl ProcessGroup {
             rows[q].start * scale..rows[q].end * scale
         };
         let buf = SharedBuf::new(packed);
-        for &q in &peers {
-            ctx.send(q, 0, Payload::view(&buf, chunk(q)))?;
-        }
+        all_sent(
+            peers
+                .iter()
+                .map(|&q| ctx.send(q, 0, Payload::view(&buf, chunk(q)))),
+        )?;
         let messages = ctx.recv_all(&peers, 0)?;
         let mut inputs = Vec::with_capacity(peers.len());
         for (message, &q) in messages.iter().zip(&peers) {
@@ -232,9 +300,11 @@ impl ProcessGroup {
         let shape = input.shape;
         let len = input.data.len();
         let buf = SharedBuf::new(input.data);
-        for &q in &peers {
-            ctx.send(q, 0, Payload::view(&buf, 0..len))?;
-        }
+        all_sent(
+            peers
+                .iter()
+                .map(|&q| ctx.send(q, 0, Payload::view(&buf, 0..len))),
+        )?;
         let messages = ctx.recv_all(&peers, 0)?;
         let mut sizes = Vec::with_capacity(self.size());
         let mut parts = Vec::with_capacity(self.size());
@@ -285,9 +355,11 @@ impl ProcessGroup {
         if self.rank() == root {
             let len = data.len();
             let buf = SharedBuf::new(data);
-            for q in peers_of(self) {
-                ctx.send(q, 0, Payload::view(&buf, 0..len))?;
-            }
+            all_sent(
+                peers_of(self)
+                    .into_iter()
+                    .map(|q| ctx.send(q, 0, Payload::view(&buf, 0..len))),
+            )?;
             data = ctx.reclaim(buf)?;
         } else {
             let message = ctx.recv(root, 0)?;
@@ -321,22 +393,25 @@ impl ProcessGroup {
         let mut part_shape = input.shape.clone();
         part_shape[scatter_dim] = rows[me].len();
 
-        let own_part: Vec<E>;
         let buf = SharedBuf::new(input.data);
-        if rows.iter().all(|r| along.is_contiguous(r)) {
-            for &q in &peers {
-                ctx.send(q, 0, Payload::view(&buf, along.flat(&rows[q])))?;
-            }
+        let own_part: Vec<E> = if rows.iter().all(|r| along.is_contiguous(r)) {
+            all_sent(
+                peers
+                    .iter()
+                    .map(|&q| ctx.send(q, 0, Payload::view(&buf, along.flat(&rows[q])))),
+            )?;
             // SAFETY: nobody writes this buffer during an all-to-all.
-            own_part = unsafe { buf.region(along.flat(&rows[me])) }.to_vec();
+            unsafe { buf.region(along.flat(&rows[me])) }.to_vec()
         } else {
             // SAFETY: as above.
             let data = unsafe { buf.region(0..buf.len()) };
-            for &q in &peers {
-                ctx.send(q, 0, Payload::owned(along.pack(data, &rows[q])))?;
-            }
-            own_part = along.pack(data, &rows[me]);
-        }
+            all_sent(
+                peers
+                    .iter()
+                    .map(|&q| ctx.send(q, 0, Payload::owned(along.pack(data, &rows[q])))),
+            )?;
+            along.pack(data, &rows[me])
+        };
         let messages = ctx.recv_all(&peers, 0)?;
         let mut parts = Vec::with_capacity(n);
         for (message, &q) in messages.iter().zip(&peers) {
@@ -355,9 +430,7 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<(), CommError> {
         let ctx = self.begin(OpKind::Barrier, WireDType::U8, &[], 0)?;
         let peers = peers_of(self);
-        for &q in &peers {
-            ctx.send(q, 0, Payload::empty())?;
-        }
+        all_sent(peers.iter().map(|&q| ctx.send(q, 0, Payload::empty())))?;
         ctx.recv_all(&peers, 0).map(drop)
     }
 

@@ -74,6 +74,13 @@ impl<E: CommElem> SharedBuf<E> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 
+    /// The address of element `start`, for the shared-memory all-reduce.
+    pub(crate) fn ptr_at(&self, start: usize) -> *mut E {
+        assert!(start <= self.len, "pointer out of bounds");
+        // SAFETY: within the allocation (checked above).
+        unsafe { self.ptr.add(start) }
+    }
+
     /// Takes the `Vec` back once every other handle (every view sent to a peer) is dropped.
     ///
     /// Peers drop their views right after the last read, so this rarely waits. Gives the buffer
@@ -188,6 +195,13 @@ impl Payload {
         let buf = self.buf.as_any().downcast_ref::<SharedBuf<E>>()?;
         // SAFETY: as for `bytes`.
         Some(unsafe { buf.region(self.range.clone()) })
+    }
+
+    /// The region's address and length, if the payload holds `E`: for the shared-memory
+    /// all-reduce, whose senders grant the receiver write access to the region they send.
+    pub(crate) fn region_ptr<E: CommElem>(&self) -> Option<(*mut E, usize)> {
+        let buf = self.buf.as_any().downcast_ref::<SharedBuf<E>>()?;
+        Some((buf.ptr_at(self.range.start), self.range.len()))
     }
 
     /// The elements as an owned `Vec`: without a copy when this payload is the buffer's only

@@ -224,6 +224,33 @@ comm_elem!(i64, I64, i64, |x| x, |a| a);
 /// Elements folded per block: small enough for the accumulators to stay in L1.
 const BLOCK: usize = 1024;
 
+/// Adds one input block to the accumulators: the first input (`first`) initialises them.
+#[inline(always)]
+fn accumulate<E: CommElem>(acc: &mut [E::Acc], first: bool, input: &[E], op: ReduceOp) {
+    if first {
+        for (a, x) in acc.iter_mut().zip(input) {
+            *a = x.to_acc();
+        }
+    } else {
+        for (a, x) in acc.iter_mut().zip(input) {
+            *a = a.combine(x.to_acc(), op);
+        }
+    }
+}
+
+/// Turns finished accumulators into output elements (dividing by n for a mean).
+#[inline(always)]
+fn finish<E: CommElem>(acc: &mut [E::Acc], n: usize, op: ReduceOp, out: &mut [E]) {
+    if op == ReduceOp::Mean {
+        for a in acc.iter_mut() {
+            *a = a.div_count(n);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        *o = E::from_acc(*a);
+    }
+}
+
 /// Folds the inputs, in order, into `io`, which is itself input number `io_index`.
 ///
 /// `others` holds the remaining inputs in order (input `io_index` is missing from it). All slices
@@ -237,35 +264,47 @@ pub(crate) fn fold_in_place<E: CommElem>(
 ) {
     let n = others.len() + 1;
     let mut acc = [E::Acc::default(); BLOCK];
-    let mut start = 0;
-    while start < io.len() {
-        let end = (start + BLOCK).min(io.len());
-        let acc = &mut acc[..end - start];
+    for start in (0..io.len()).step_by(BLOCK) {
+        let block = start..(start + BLOCK).min(io.len());
+        let acc = &mut acc[..block.len()];
         for k in 0..n {
             let input: &[E] = match k.cmp(&io_index) {
-                std::cmp::Ordering::Less => &others[k][start..end],
-                std::cmp::Ordering::Equal => &io[start..end],
-                std::cmp::Ordering::Greater => &others[k - 1][start..end],
+                std::cmp::Ordering::Less => &others[k][block.clone()],
+                std::cmp::Ordering::Equal => &io[block.clone()],
+                std::cmp::Ordering::Greater => &others[k - 1][block.clone()],
             };
-            if k == 0 {
-                for (a, x) in acc.iter_mut().zip(input) {
-                    *a = x.to_acc();
-                }
-            } else {
-                for (a, x) in acc.iter_mut().zip(input) {
-                    *a = a.combine(x.to_acc(), op);
-                }
-            }
+            accumulate(acc, k == 0, input, op);
         }
-        if op == ReduceOp::Mean {
-            for a in acc.iter_mut() {
-                *a = a.div_count(n);
-            }
+        finish(acc, n, op, &mut io[block]);
+    }
+}
+
+/// Folds `regions` (n inputs of `len` elements each, in rank order) and writes the result back
+/// into every one of them: the all-reduce of ranks that share memory. Each block is read from all
+/// regions and then written to all of them while its cache lines are still held, so the result
+/// costs no extra read from memory.
+///
+/// # Safety
+/// Every region is valid for `len` elements and nobody else reads or writes any of them during
+/// the call (regions may not overlap each other).
+pub(crate) unsafe fn fold_regions<E: CommElem>(regions: &[*mut E], len: usize, op: ReduceOp) {
+    let mut acc = [E::Acc::default(); BLOCK];
+    let mut block = [E::zeroed(); BLOCK];
+    for start in (0..len).step_by(BLOCK) {
+        let width = BLOCK.min(len - start);
+        let acc = &mut acc[..width];
+        for (k, region) in regions.iter().enumerate() {
+            // SAFETY: in bounds, and no mutable reference to this memory exists (caller's contract).
+            let input = unsafe { std::slice::from_raw_parts(region.add(start), width) };
+            accumulate(acc, k == 0, input, op);
         }
-        for (out, a) in io[start..end].iter_mut().zip(acc.iter()) {
-            *out = E::from_acc(*a);
+        let block = &mut block[..width];
+        finish(acc, regions.len(), op, block);
+        for region in regions {
+            // SAFETY: as above; the shared slice of this region was dropped before.
+            unsafe { std::slice::from_raw_parts_mut(region.add(start), width) }
+                .copy_from_slice(block);
         }
-        start = end;
     }
 }
 
@@ -316,6 +355,23 @@ mod tests {
         let mut io = vec![1i64; 3000];
         fold_in_place(&mut io, 2, &[&a, &b], ReduceOp::Sum);
         assert!(io.iter().enumerate().all(|(i, v)| *v == 11 * i as i64 + 1));
+    }
+
+    #[test]
+    fn fold_regions_writes_the_result_into_every_region() {
+        let mut a: Vec<f32> = (0..2500).map(|i| i as f32).collect();
+        let mut b: Vec<f32> = (0..2500).map(|i| 2.0 * i as f32).collect();
+        let mut c: Vec<f32> = vec![0.5; 2500];
+        let regions = [a.as_mut_ptr(), b.as_mut_ptr(), c.as_mut_ptr()];
+        // SAFETY: three distinct vectors of 2500 elements, used by nobody else meanwhile.
+        unsafe { fold_regions(&regions, 2500, ReduceOp::Sum) };
+        for v in [&a, &b, &c] {
+            assert!(
+                v.iter()
+                    .enumerate()
+                    .all(|(i, x)| *x == 3.0 * i as f32 + 0.5)
+            );
+        }
     }
 
     #[test]

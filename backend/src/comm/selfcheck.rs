@@ -40,7 +40,7 @@ pub fn run<B: Backend>(
 ) -> Result<CheckSummary, String> {
     let mut groups = vec![world.clone()];
     let n = world.size();
-    if n >= 4 && n % 2 == 0 {
+    if n >= 4 && n.is_multiple_of(2) {
         let half: Vec<usize> = if world.rank() < n / 2 {
             (0..n / 2).collect()
         } else {

@@ -52,7 +52,7 @@ fn to_host<E: CommElem>(op: OpKind, data: TensorData) -> Result<HostTensor<E>, C
 
 fn from_host<B: Backend, const D: usize, K: BasicOps<B>>(
     op: OpKind,
-    output: HostTensor<impl CommElem + Element>,
+    output: HostTensor<impl CommElem>,
     device: &B::Device,
     dtype: burn::tensor::DType,
 ) -> Result<Tensor<B, D, K>, CommError> {

@@ -36,6 +36,9 @@ impl Transport for LocalTransport {
     fn name(&self) -> &'static str {
         "local"
     }
+    fn shares_memory(&self) -> bool {
+        true
+    }
     fn piece_bytes(&self) -> usize {
         usize::MAX
     }

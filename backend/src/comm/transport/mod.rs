@@ -16,6 +16,9 @@ pub(crate) trait Transport: Send + Sync {
     /// Large transfers are cut into pieces of at most this many bytes so that receiving one
     /// piece overlaps reducing the previous one. `usize::MAX` where transfers cost nothing.
     fn piece_bytes(&self) -> usize;
+    /// Whether payload views reach the sender's memory itself (ranks share an address space), so
+    /// a receiver may write results back into a region the sender granted it.
+    fn shares_memory(&self) -> bool;
     /// Queues a message for `dst` (a global rank, not this one) and returns without waiting for
     /// delivery. Errors with the reason when `dst` is known to be gone.
     fn send(&self, dst: usize, message: Message) -> Result<(), String>;
