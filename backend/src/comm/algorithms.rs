@@ -58,9 +58,14 @@ fn pieces(range: &Range<usize>, max: usize) -> Vec<Range<usize>> {
 /// Collects the results of every send and returns the first failure: a dead peer must not leave
 /// the healthy ones waiting on this rank.
 fn all_sent(results: impl IntoIterator<Item = Result<(), CommError>>) -> Result<(), CommError> {
-    results
-        .into_iter()
-        .fold(Ok(()), |first, result| first.and(result))
+    let mut first = Ok(());
+    for result in results {
+        // Not `?` or `try_fold`: the remaining sends must still run.
+        if first.is_ok() {
+            first = result;
+        }
+    }
+    first
 }
 
 fn peers_of(group: &ProcessGroup) -> Vec<usize> {
