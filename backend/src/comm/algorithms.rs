@@ -399,23 +399,24 @@ impl ProcessGroup {
         part_shape[scatter_dim] = rows[me].len();
 
         let buf = SharedBuf::new(input.data);
-        let own_part: Vec<E> = if rows.iter().all(|r| along.is_contiguous(r)) {
-            all_sent(
-                peers
-                    .iter()
-                    .map(|&q| ctx.send(q, 0, Payload::view(&buf, along.flat(&rows[q])))),
-            )?;
-            // SAFETY: nobody writes this buffer during an all-to-all.
-            unsafe { buf.region(along.flat(&rows[me])) }.to_vec()
+        // SAFETY: nobody writes this buffer during an all-to-all.
+        let data = unsafe { buf.region(0..buf.len()) };
+        // Parts along the first dimension are views; others are packed into their own buffers.
+        let contiguous = rows.iter().all(|r| along.is_contiguous(r));
+        let part_payload = |q: usize| {
+            if contiguous {
+                Payload::view(&buf, along.flat(&rows[q]))
+            } else {
+                Payload::owned(along.pack(data, &rows[q]))
+            }
+        };
+        all_sent(peers.iter().map(|&q| ctx.send(q, 0, part_payload(q))))?;
+        let packed_own;
+        let own_part: &[E] = if contiguous {
+            &data[along.flat(&rows[me])]
         } else {
-            // SAFETY: as above.
-            let data = unsafe { buf.region(0..buf.len()) };
-            all_sent(
-                peers
-                    .iter()
-                    .map(|&q| ctx.send(q, 0, Payload::owned(along.pack(data, &rows[q])))),
-            )?;
-            along.pack(data, &rows[me])
+            packed_own = along.pack(data, &rows[me]);
+            &packed_own
         };
         let messages = ctx.recv_all(&peers, 0)?;
         let mut parts = Vec::with_capacity(n);
@@ -423,7 +424,7 @@ impl ProcessGroup {
             ctx.check_same_shape(q, &message.desc)?;
             parts.push(ctx.elements::<E>(q, message, mine_len)?);
         }
-        parts.insert(me, &own_part);
+        parts.insert(me, own_part);
         let gather = AlongDim::new(&part_shape, gather_dim);
         let data = concat(&parts, &vec![gather.size; n], gather.outer, gather.inner);
         let mut shape = part_shape;

@@ -9,8 +9,9 @@
 //! Frame: magic, key (group, channel, id, part), descriptor (op, seq, dtype, arg, shape), payload
 //! (dtype, element count, raw little-endian elements).
 
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -281,7 +282,45 @@ fn invalid(what: &str) -> io::Error {
     )
 }
 
-fn read_frame(r: &mut impl Read) -> io::Result<Message> {
+/// Reads `elems` elements of `E` straight into a new vector, without zeroing it first (every byte
+/// is overwritten): the buffered bytes, then `read(2)` into the spare capacity.
+fn read_elements<E: bytemuck::Pod>(
+    r: &mut BufReader<TcpStream>,
+    elems: usize,
+) -> io::Result<Vec<E>> {
+    const MAX_PAYLOAD: usize = 1 << 40;
+    let len = elems
+        .checked_mul(size_of::<E>())
+        .filter(|len| *len <= MAX_PAYLOAD)
+        .ok_or_else(|| invalid("payload size"))?;
+    let mut data: Vec<E> = Vec::with_capacity(elems);
+    let dst = data.as_mut_ptr().cast::<u8>();
+    let buffered = r.buffer();
+    let mut filled = buffered.len().min(len);
+    // SAFETY: `dst` has room for `len` bytes and `filled <= len`; the buffers do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), dst, filled) };
+    r.consume(filled);
+    let fd = r.get_ref().as_raw_fd();
+    while filled < len {
+        // SAFETY: writes at most `len - filled` bytes into the vector's spare capacity.
+        let got = unsafe { libc::read(fd, dst.add(filled).cast(), len - filled) };
+        match got {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n if n > 0 => filled += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    // SAFETY: all `len` bytes are initialised, and any bytes are a valid `E` (Pod).
+    unsafe { data.set_len(elems) };
+    Ok(data)
+}
+
+fn read_frame(r: &mut BufReader<TcpStream>) -> io::Result<Message> {
     let u8s = |r: &mut dyn Read| -> io::Result<u8> {
         let mut b = [0u8; 1];
         r.read_exact(&mut b)?;
@@ -318,9 +357,7 @@ fn read_frame(r: &mut impl Read) -> io::Result<Message> {
     let payload_dtype = WireDType::from_code(u8s(r)?).ok_or_else(|| invalid("payload dtype"))?;
     let elems = u64s(r)? as usize;
     let payload = with_elem_type!(payload_dtype, E => {
-        let mut data: Vec<E> = bytemuck::zeroed_vec(elems);
-        r.read_exact(bytemuck::cast_slice_mut(&mut data))?;
-        Payload::owned(data)
+        Payload::owned(read_elements::<E>(r, elems)?)
     });
     Ok(Message {
         key: Key {
