@@ -52,7 +52,9 @@ pub fn options(timeout_secs: f64, debug: bool) -> CommOptions {
     }
 }
 
-/// The `wildfire` binary of this build (`cargo test` builds it with the workspace).
+/// The `wildfire` binary of this build. `cargo test --workspace` builds it because
+/// `recipes/tests/cli.rs` is an integration test of its package; a `cargo build` from inside a
+/// test is no option (cargo holds the build lock while tests run).
 pub fn wildfire_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let dir = exe

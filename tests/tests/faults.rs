@@ -1,7 +1,6 @@
 //! Faults: peers that are too slow, that die, or that run a different collective. Each must
 //! produce a clear error (never a hang), with a hard timeout on every test.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use wildfire_backend::comm::{
@@ -276,7 +275,7 @@ fn tcp_debug_mode_names_the_mismatched_rank() {
 }
 
 #[test]
-fn launcher_restarts_the_group_and_rejects_bad_arguments() {
+fn launcher_restarts_the_group_and_names_a_failed_rank() {
     let mut cmd = launch(
         2,
         &["--max-restarts", "1"],
@@ -299,39 +298,6 @@ fn launcher_restarts_the_group_and_rejects_bad_arguments() {
     assert_eq!(done.code, Some(1));
     assert!(
         done.stderr.contains("rank 1") && done.stderr.contains("exited with status 3"),
-        "{}",
-        done.stderr
-    );
-
-    let bin = wildfire_tests::wildfire_bin();
-    let done = run_with_limit(
-        Command::new(&bin).args(["launch", "--nproc-per-node", "0", "--", "true"]),
-        LIMIT,
-    );
-    assert!(
-        done.code != Some(0)
-            && done
-                .stderr
-                .contains("--nproc-per-node must be at least 1, got 0"),
-        "{}",
-        done.stderr
-    );
-    let done = run_with_limit(
-        Command::new(&bin).args(["launch", "--nnodes", "2", "--node-rank", "2", "--", "true"]),
-        LIMIT,
-    );
-    assert!(
-        done.stderr
-            .contains("--node-rank 2 must be below --nnodes 2"),
-        "{}",
-        done.stderr
-    );
-    let done = run_with_limit(
-        Command::new(&bin).args(["launch", "--", "/no/such/program"]),
-        LIMIT,
-    );
-    assert!(
-        done.code != Some(0) && done.stderr.contains("/no/such/program"),
         "{}",
         done.stderr
     );

@@ -296,6 +296,26 @@ impl StoreClient {
         Ok((status == STATUS_OK).then_some(value))
     }
 
+    /// Waits until every key in `keys` is set; names the ones still missing after the timeout.
+    pub fn wait(&self, keys: &[&str]) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut missing = Vec::new();
+        for key in keys {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.get_within(key, left)?.is_none() {
+                missing.push(*key);
+            }
+        }
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(CommError::Rendezvous(format!(
+                "store keys {missing:?} were not set within {:.1} s",
+                self.timeout.as_secs_f64()
+            )))
+        }
+    }
+
     /// Adds `delta` to the counter at `key` (0 when unset) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
         let (_, value) = self.request(OP_ADD, key, &[&delta.to_le_bytes()])?;
@@ -384,9 +404,13 @@ mod tests {
         let timeout = Duration::from_secs(5);
         let a = StoreClient::connect("127.0.0.1", port, timeout).expect("connect");
         let b = StoreClient::connect("127.0.0.1", port, timeout).expect("connect");
-        let waiter = std::thread::spawn(move || b.get("k").expect("get"));
+        let waiter = std::thread::spawn(move || {
+            b.wait(&["k", "k2"]).expect("wait");
+            b.get("k").expect("get")
+        });
         std::thread::sleep(Duration::from_millis(50));
         a.set("k", b"v").expect("set");
+        a.set("k2", b"w").expect("set");
         assert_eq!(waiter.join().expect("join"), Some(b"v".to_vec()));
         assert_eq!(a.add("c", 2).expect("add"), 2);
         assert_eq!(a.add("c", 3).expect("add"), 5);
@@ -409,6 +433,11 @@ mod tests {
         let port = server.local_addr().port();
         let c = StoreClient::connect("127.0.0.1", port, Duration::from_millis(100)).expect("c");
         assert_eq!(c.get("never").expect("get"), None);
+        let err = c.wait(&["never", "nor-this"]).expect_err("unset keys");
+        assert!(
+            err.to_string().contains("[\"never\", \"nor-this\"]"),
+            "{err}"
+        );
         c.set("text", b"abc").expect("set");
         let err = c.add("text", 1).expect_err("not a counter");
         assert!(err.to_string().contains("does not hold a counter"), "{err}");
