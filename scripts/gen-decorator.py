@@ -87,7 +87,7 @@ def split_top(s, sep=","):
     return [p.strip() for p in out]
 
 
-def params(sig):
+def param_list(sig):
     inner = sig[sig.index("(") + 1 :]
     depth = 1
     for k, ch in enumerate(inner):
@@ -98,11 +98,11 @@ def params(sig):
             if depth == 0:
                 inner = inner[:k]
                 break
-    names = []
+    out = []
     for p in split_top(inner):
-        name = p.split(":")[0].strip().removeprefix("mut ").strip()
-        names.append(name)
-    return names
+        name, ty = p.split(":", 1)
+        out.append((name.strip().removeprefix("mut ").strip(), ty.strip()))
+    return out
 
 
 def fn_name(sig):
@@ -138,11 +138,15 @@ def main():
         "// Every op forwards to the inner backend `B`; the ones wildfire changes are in overrides.rs.",
         "",
         "use super::Parallel;",
-        "use burn::tensor::backend::Backend;",
+        "use super::convert::Rewrap;",
+        "use burn::tensor::backend::*;",
         "use burn::tensor::ops::*;",
+        "use burn::tensor::quantization::*;",
+        "use burn::tensor::*;",
+        "use burn::tensor::ops::Device;",
+        "use std::ops::Range;",
         "",
     ]
-    skipped = []
     for file, trait in TRAITS:
         src = strip_comments(open(os.path.join(ops_dir, file)).read())
         body = trait_body(src, trait)
@@ -151,16 +155,17 @@ def main():
             name = fn_name(sig)
             if name in overridden:
                 continue
-            if special.search(sig):
-                skipped.append((trait, name, sig))
-                continue
-            sig_self = re.sub(r"\bB\b", "B", sig)
-            call = f"B::{name}{generic_args(sig)}({', '.join(params(sig))})"
-            out.append(f"    {sig_self} {{\n        {call}\n    }}")
+            # Types generic over the backend (not aliases of its primitives) are rebuilt for the
+            # inner backend on the way in and for `Parallel<B>` on the way out.
+            args = [f"Rewrap::rewrap({n})" if special.search(t) else n for n, t in param_list(sig)]
+            call = f"B::{name}{generic_args(sig)}({', '.join(args)})"
+            ret = sig.split(")")[-1]
+            if special.search(ret) and "Future" not in ret:
+                call = f"Rewrap::rewrap({call})"
+            sig = re.sub(r"\bB\b", "Self", sig).replace("crate::tensor::", "burn::tensor::").replace("crate::", "burn::tensor::")
+            out.append(f"    {sig} {{\n        {call}\n    }}")
         out.append("}")
         out.append("")
-    for trait, name, sig in skipped:
-        print(f"needs a hand-written forward: {trait}::{name}: {sig}", file=sys.stderr)
     sys.stdout.write("\n".join(out))
 
 

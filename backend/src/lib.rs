@@ -1,5 +1,9 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
-//! ([`comm`]), and the process launcher behind `wildfire launch` ([`launch`]).
+//! ([`comm`]), the backend decorator [`Parallel<B>`], and the process launcher behind
+//! `wildfire launch` ([`launch`]).
 
 pub mod comm;
+mod decorator;
 pub mod launch;
+
+pub use decorator::Parallel;

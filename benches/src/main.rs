@@ -1,6 +1,7 @@
 //! wildfire's benchmark harness: `cargo run --release -p wildfire-benches -- <subcommand>`.
 
 mod comm;
+mod decorator;
 
 use clap::{Parser, Subcommand};
 
@@ -18,6 +19,8 @@ struct Cli {
 enum Command {
     /// Collective bandwidth of every op on the local and tcp transports, against a memcpy baseline.
     Comm(comm::CommArgs),
+    /// The cost of the `Parallel<B>` decorator with no override active, against the bare backend.
+    Decorator(decorator::DecoratorArgs),
     /// One rank of a tcp measurement (started by `comm` through the launcher).
     #[command(hide = true)]
     CommWorker(comm::WorkerArgs),
@@ -27,5 +30,6 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Comm(args) => comm::run(args),
         Command::CommWorker(args) => comm::worker(args),
+        Command::Decorator(args) => decorator::run(args),
     }
 }
