@@ -2,6 +2,7 @@
 //! ([`comm`]), the backend decorator [`Parallel<B>`], and the process launcher behind
 //! `wildfire launch` ([`launch`]).
 
+pub mod collective;
 pub mod comm;
 mod decorator;
 pub mod launch;

@@ -75,6 +75,8 @@ pub(crate) struct GroupInner {
     /// This rank's index in `ranks`.
     pub(crate) me: usize,
     seq: AtomicU64,
+    /// Collectives issued so far, per op (index: `OpKind as usize`).
+    counts: [AtomicU64; OpKind::ALL.len()],
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) options: CommOptions,
     /// Sub-groups created so far per rank list, world-wide, so that creating the same rank list
@@ -123,6 +125,7 @@ impl ProcessGroup {
                 ranks: (0..world_size).collect(),
                 me: transport.rank(),
                 seq: AtomicU64::new(0),
+                counts: Default::default(),
                 transport,
                 options,
                 created: Arc::default(),
@@ -172,6 +175,11 @@ impl ProcessGroup {
 
     pub fn options(&self) -> &CommOptions {
         &self.inner.options
+    }
+
+    /// How many collectives of kind `op` this rank has issued on this group (clones included).
+    pub fn op_count(&self, op: OpKind) -> u64 {
+        self.inner.counts[op as usize].load(Ordering::Relaxed)
     }
 
     /// "world (8 ranks)" or "group [4, 5, 6, 7]": how errors name the group.
@@ -239,6 +247,7 @@ impl ProcessGroup {
                 ranks: global,
                 me,
                 seq: AtomicU64::new(0),
+                counts: Default::default(),
                 transport: self.inner.transport.clone(),
                 options: self.inner.options.clone(),
                 created: self.inner.created.clone(),
@@ -257,6 +266,7 @@ impl ProcessGroup {
         arg: u64,
     ) -> Result<OpCtx<'_>, CommError> {
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        self.inner.counts[op as usize].fetch_add(1, Ordering::Relaxed);
         let ctx = OpCtx {
             group: self,
             desc: Descriptor {

@@ -37,3 +37,4 @@ pub use group::{CommOptions, DEBUG_ENV, ProcessGroup, TIMEOUT_ENV, parse_timeout
 pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
 pub use store::{StoreClient, StoreServer};
+pub(crate) use tensor::{AllGather, AllReduce, Broadcast, ReduceScatter, run_on_data};

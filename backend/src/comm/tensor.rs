@@ -14,7 +14,7 @@ use super::group::ProcessGroup;
 use super::mailbox::OpKind;
 
 /// A host collective, run for whichever element type the tensor holds.
-trait HostOp {
+pub(crate) trait HostOp {
     const OP: OpKind;
     fn run<E: CommElem>(
         &self,
@@ -50,25 +50,17 @@ fn to_host<E: CommElem>(op: OpKind, data: TensorData) -> Result<HostTensor<E>, C
     })
 }
 
-fn from_host<B: Backend, const D: usize, K: BasicOps<B>>(
-    op: OpKind,
-    output: HostTensor<impl CommElem>,
-    device: &B::Device,
-    dtype: burn::tensor::DType,
-) -> Result<Tensor<B, D, K>, CommError> {
-    if output.shape.len() != D {
-        return Err(tensor_error(
-            op,
-            format!(
-                "received a tensor of shape {:?}, expected rank {D}",
-                output.shape
-            ),
-        ));
-    }
-    Ok(Tensor::from_data(
-        TensorData::new(output.data, output.shape),
-        (device, dtype),
-    ))
+/// Runs a host collective on tensor data of any supported dtype; the result keeps the dtype.
+pub(crate) fn run_on_data<O: HostOp>(
+    group: &ProcessGroup,
+    data: TensorData,
+    op: O,
+) -> Result<TensorData, CommError> {
+    let wire = wire_dtype(O::OP, data.dtype)?;
+    with_elem_type!(wire, E => {
+        let output = op.run::<E>(group, to_host::<E>(O::OP, data)?)?;
+        Ok(TensorData::new(output.data, output.shape))
+    })
 }
 
 fn through_host<B, const D: usize, K, O>(
@@ -84,17 +76,28 @@ where
 {
     let device = tensor.device();
     let dtype = tensor.dtype();
-    let wire = wire_dtype(O::OP, dtype)?;
     let data = tensor
         .try_into_data()
         .map_err(|e| tensor_error(O::OP, format!("{e:?}")))?;
-    with_elem_type!(wire, E => {
-        let output = op.run::<E>(group, to_host::<E>(O::OP, data)?)?;
-        from_host(O::OP, output, &device, dtype)
-    })
+    let output = run_on_data(group, data, op)?;
+    check_rank::<D>(O::OP, &output)?;
+    Ok(Tensor::from_data(output, (&device, dtype)))
 }
 
-struct AllReduce(ReduceOp);
+fn check_rank<const D: usize>(op: OpKind, data: &TensorData) -> Result<(), CommError> {
+    if data.shape.num_dims() != D {
+        return Err(tensor_error(
+            op,
+            format!(
+                "received a tensor of shape {:?}, expected rank {D}",
+                data.shape.as_slice()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) struct AllReduce(pub(crate) ReduceOp);
 impl HostOp for AllReduce {
     const OP: OpKind = OpKind::AllReduce;
     fn run<E: CommElem>(
@@ -106,7 +109,7 @@ impl HostOp for AllReduce {
     }
 }
 
-struct AllGather(usize);
+pub(crate) struct AllGather(pub(crate) usize);
 impl HostOp for AllGather {
     const OP: OpKind = OpKind::AllGather;
     fn run<E: CommElem>(
@@ -118,7 +121,7 @@ impl HostOp for AllGather {
     }
 }
 
-struct ReduceScatter(usize, ReduceOp);
+pub(crate) struct ReduceScatter(pub(crate) usize, pub(crate) ReduceOp);
 impl HostOp for ReduceScatter {
     const OP: OpKind = OpKind::ReduceScatter;
     fn run<E: CommElem>(
@@ -130,7 +133,7 @@ impl HostOp for ReduceScatter {
     }
 }
 
-struct Broadcast(usize);
+pub(crate) struct Broadcast(pub(crate) usize);
 impl HostOp for Broadcast {
     const OP: OpKind = OpKind::Broadcast;
     fn run<E: CommElem>(
@@ -142,7 +145,7 @@ impl HostOp for Broadcast {
     }
 }
 
-struct AllToAll(usize, usize);
+pub(crate) struct AllToAll(pub(crate) usize, pub(crate) usize);
 impl HostOp for AllToAll {
     const OP: OpKind = OpKind::AllToAll;
     fn run<E: CommElem>(
@@ -155,6 +158,26 @@ impl HostOp for AllToAll {
 }
 
 impl ProcessGroup {
+    /// Sends tensor data to group rank `dst` under `tag`.
+    pub(crate) fn send_data(
+        &self,
+        data: TensorData,
+        dst: usize,
+        tag: u64,
+    ) -> Result<(), CommError> {
+        let wire = wire_dtype(OpKind::Send, data.dtype)?;
+        with_elem_type!(wire, E => self.send_host(to_host::<E>(OpKind::Send, data)?, dst, tag))
+    }
+
+    /// Receives the tensor data group rank `src` sent under `tag`, in the sender's dtype.
+    pub(crate) fn recv_data(&self, src: usize, tag: u64) -> Result<TensorData, CommError> {
+        let message = self.recv_message(src, tag)?;
+        with_elem_type!(message.payload.dtype(), E => {
+            let output = message_into_host::<E>(self, message, src)?;
+            Ok(TensorData::new(output.data, output.shape))
+        })
+    }
+
     /// Every rank gets `op` (sum, mean, max, min) over all ranks' tensors, bitwise identical on
     /// every rank (see [`ReduceOp`] for the fold order). Shapes must match across ranks.
     pub fn all_reduce<B: Backend, const D: usize, K: BasicOps<B>>(
@@ -230,11 +253,10 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        let wire = wire_dtype(OpKind::Send, tensor.dtype())?;
         let data = tensor
             .try_into_data()
             .map_err(|e| tensor_error(OpKind::Send, format!("{e:?}")))?;
-        with_elem_type!(wire, E => self.send_host(to_host::<E>(OpKind::Send, data)?, dst, tag))
+        self.send_data(data, dst, tag)
     }
 
     /// Receives the next tensor group rank `src` sent under `tag`, with the sender's shape and
@@ -248,12 +270,9 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        let message = self.recv_message(src, tag)?;
-        let wire = message.payload.dtype();
-        let dtype = wire.to_burn();
-        with_elem_type!(wire, E => {
-            let output = message_into_host::<E>(self, message, src)?;
-            from_host(OpKind::Recv, output, device, dtype)
-        })
+        let data = self.recv_data(src, tag)?;
+        check_rank::<D>(OpKind::Recv, &data)?;
+        let dtype = data.dtype;
+        Ok(Tensor::from_data(data, (device, dtype)))
     }
 }
