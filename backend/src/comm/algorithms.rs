@@ -68,6 +68,14 @@ fn all_sent(results: impl IntoIterator<Item = Result<(), CommError>>) -> Result<
     first
 }
 
+/// The elements of messages already checked by `recv_same_shape`.
+fn slices<E: CommElem>(messages: &[Message]) -> Vec<&[E]> {
+    messages
+        .iter()
+        .map(|m| m.payload.slice::<E>().expect("dtype checked on receipt"))
+        .collect()
+}
+
 fn peers_of(group: &ProcessGroup) -> Vec<usize> {
     (0..group.size()).filter(|p| *p != group.rank()).collect()
 }
@@ -97,6 +105,22 @@ impl OpCtx<'_> {
             ));
         }
         Ok(values)
+    }
+
+    /// Receives step `part` from each of `peers`, checking that every one has this rank's shape
+    /// and sent `len` elements of `E`.
+    fn recv_same_shape<E: CommElem>(
+        &self,
+        peers: &[usize],
+        part: u32,
+        len: usize,
+    ) -> Result<Vec<Message>, CommError> {
+        let messages = self.recv_all(peers, part)?;
+        for (message, &q) in messages.iter().zip(peers) {
+            self.check_same_shape(q, &message.desc)?;
+            self.elements::<E>(q, message, len)?;
+        }
+        Ok(messages)
     }
 
     /// Takes back a buffer whose views were sent to peers, once they are done with it.
@@ -130,16 +154,13 @@ impl OpCtx<'_> {
                 .iter()
                 .map(|&q| self.send(q, part(0, 0), Payload::view(buf, chunks[q].clone()))),
         )?;
-        let granted = self.recv_all(&peers, part(0, 0))?;
+        let granted = self.recv_same_shape::<E>(&peers, part(0, 0), chunks[me].len())?;
         let mut regions = Vec::with_capacity(self.group.size());
-        for (message, &q) in granted.iter().zip(&peers) {
-            self.check_same_shape(q, &message.desc)?;
-            // Checks dtype and length; the region itself is then written through its pointer.
-            self.elements::<E>(q, message, chunks[me].len())?;
+        for message in &granted {
             let (ptr, _) = message
                 .payload
                 .region_ptr::<E>()
-                .expect("dtype checked above");
+                .expect("dtype checked on receipt");
             regions.push(ptr);
         }
         regions.insert(me, buf.ptr_at(chunks[me].start));
@@ -172,12 +193,8 @@ impl OpCtx<'_> {
             sends.map(move |(p, piece)| self.send(q, part(0, p), Payload::view(buf, piece)))
         }))?;
         for (p, piece) in pieces(&chunks[me], max).into_iter().enumerate() {
-            let messages = self.recv_all(&peers, part(0, p))?;
-            let mut inputs = Vec::with_capacity(peers.len());
-            for (message, &q) in messages.iter().zip(&peers) {
-                self.check_same_shape(q, &message.desc)?;
-                inputs.push(self.elements::<E>(q, message, piece.len())?);
-            }
+            let messages = self.recv_same_shape::<E>(&peers, part(0, p), piece.len())?;
+            let inputs = slices::<E>(&messages);
             // SAFETY: peers never read chunk `me` of this buffer before the sends just below.
             fold_in_place(unsafe { buf.region_mut(piece.clone()) }, me, &inputs, op);
             drop(messages);
@@ -272,12 +289,8 @@ impl ProcessGroup {
                 .iter()
                 .map(|&q| ctx.send(q, 0, Payload::view(&buf, chunk(q)))),
         )?;
-        let messages = ctx.recv_all(&peers, 0)?;
-        let mut inputs = Vec::with_capacity(peers.len());
-        for (message, &q) in messages.iter().zip(&peers) {
-            ctx.check_same_shape(q, &message.desc)?;
-            inputs.push(ctx.elements::<E>(q, message, chunk(me).len())?);
-        }
+        let messages = ctx.recv_same_shape::<E>(&peers, 0, chunk(me).len())?;
+        let inputs = slices::<E>(&messages);
         // SAFETY: nobody writes this buffer during a reduce-scatter.
         let mut output = unsafe { buf.region(chunk(me)) }.to_vec();
         fold_in_place(&mut output, me, &inputs, op);
@@ -418,12 +431,8 @@ impl ProcessGroup {
             packed_own = along.pack(data, &rows[me]);
             &packed_own
         };
-        let messages = ctx.recv_all(&peers, 0)?;
-        let mut parts = Vec::with_capacity(n);
-        for (message, &q) in messages.iter().zip(&peers) {
-            ctx.check_same_shape(q, &message.desc)?;
-            parts.push(ctx.elements::<E>(q, message, mine_len)?);
-        }
+        let messages = ctx.recv_same_shape::<E>(&peers, 0, mine_len)?;
+        let mut parts = slices::<E>(&messages);
         parts.insert(me, own_part);
         let gather = AlongDim::new(&part_shape, gather_dim);
         let data = concat(&parts, &vec![gather.size; n], gather.outer, gather.inner);
