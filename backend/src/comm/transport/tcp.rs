@@ -65,7 +65,7 @@ impl TcpTransport {
         let mailbox = Arc::new(Mailbox::default());
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-            let stream = dial(store, rank, world_size, peer)?;
+            let stream = dial(store, rank, world_size, peer, deadline)?;
             *slot = Some(start_peer(stream, rank, peer, &mailbox)?);
         }
         for _ in rank + 1..world_size {
@@ -117,16 +117,23 @@ fn dial(
     rank: usize,
     world_size: usize,
     peer: usize,
+    deadline: Instant,
 ) -> Result<TcpStream, CommError> {
     let addr = store
         .get(&peer_key(peer))?
         .ok_or_else(|| CommError::Rendezvous(format!("rank {peer} never published its address")))?;
     let addr = String::from_utf8_lossy(&addr).into_owned();
-    let mut stream = TcpStream::connect(&addr).map_err(|e| {
+    let unreachable = |e: String| {
         CommError::Rendezvous(format!(
             "rank {rank} cannot connect to rank {peer} at {addr}: {e}"
         ))
-    })?;
+    };
+    let target: std::net::SocketAddr = addr.parse().map_err(|e| unreachable(format!("{e}")))?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    let mut stream =
+        TcpStream::connect_timeout(&target, left).map_err(|e| unreachable(e.to_string()))?;
     let mut hello = HELLO_MAGIC.to_le_bytes().to_vec();
     hello.extend_from_slice(&(rank as u64).to_le_bytes());
     hello.extend_from_slice(&(world_size as u64).to_le_bytes());
