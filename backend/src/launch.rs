@@ -10,7 +10,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -122,17 +122,32 @@ extern "C" fn on_stop_signal(signal: libc::c_int) {
     STOP_SIGNAL.store(signal, Ordering::SeqCst);
 }
 
-fn install_signal_handlers() {
-    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+const STOP_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Installs the stop handlers; returns the previous ones, for [`restore_signal_handlers`].
+fn install_signal_handlers() -> Vec<libc::sighandler_t> {
+    STOP_SIGNAL.store(0, Ordering::SeqCst);
+    STOP_SIGNALS
+        .iter()
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        .map(|&signal| unsafe {
+            libc::signal(signal, on_stop_signal as *const () as libc::sighandler_t)
+        })
+        .collect()
+}
+
+/// Puts back the handlers the process had before `launch` (it may be a library caller's).
+fn restore_signal_handlers(previous: Vec<libc::sighandler_t>) {
+    for (&signal, handler) in STOP_SIGNALS.iter().zip(previous) {
+        // SAFETY: restores a handler the process had installed before.
         unsafe {
-            libc::signal(signal, on_stop_signal as *const () as libc::sighandler_t);
+            libc::signal(signal, handler);
         }
     }
 }
 
 struct Rank {
-    pid: u32,
+    child: Child,
     pumps: Vec<JoinHandle<()>>,
     waiter: Option<JoinHandle<()>>,
 }
@@ -148,7 +163,13 @@ struct Exit {
 /// Runs the job; returns once every rank exited successfully, or with the first failure.
 pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
     config.validate()?;
-    install_signal_handlers();
+    let previous = install_signal_handlers();
+    let result = run_attempts(config);
+    restore_signal_handlers(previous);
+    result
+}
+
+fn run_attempts(config: &LaunchConfig) -> Result<(), LaunchError> {
     let mut attempt = 0;
     loop {
         let (exit_tx, exit_rx) = mpsc::channel();
@@ -234,9 +255,10 @@ fn spawn_rank(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    let launcher = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid) run between fork and exec.
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             // Own process group, so that stopping a rank stops everything it started.
             if libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
@@ -245,7 +267,9 @@ fn spawn_rank(
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if libc::getppid() == 1 {
+            // The launcher may have died before prctl took effect (it may itself be PID 1, in a
+            // container, so compare with its pid rather than with 1).
+            if libc::getppid() != launcher {
                 return Err(std::io::Error::other("the launcher exited during start-up"));
             }
             Ok(())
@@ -266,14 +290,41 @@ fn spawn_rank(
     let pid = child.id();
     let exits = exits.clone();
     let waiter = std::thread::spawn(move || {
-        let status = child.wait();
+        let status = wait_without_reaping(pid);
         let _ = exits.send(Exit { rank, pid, status });
     });
     Ok(Rank {
-        pid,
+        child,
         pumps,
         waiter: Some(waiter),
     })
+}
+
+/// Waits for a rank to exit but leaves it a zombie, so that its pid (and process group id)
+/// cannot be reused until `stop_all` has signalled the group and reaped it.
+fn wait_without_reaping(pid: u32) -> std::io::Result<ExitStatus> {
+    loop {
+        // SAFETY: waitid only writes the siginfo we pass.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let flags = libc::WEXITED | libc::WNOWAIT;
+        // SAFETY: a valid pid and a valid siginfo pointer.
+        if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: filled in by a successful waitid with WEXITED.
+        let status = unsafe { info.si_status() };
+        // Encode as wait(2) does: exit code in the high byte, or the signal (0x80: core dumped).
+        let raw = match info.si_code {
+            libc::CLD_EXITED => status << 8,
+            libc::CLD_DUMPED => status | 0x80,
+            _ => status,
+        };
+        return Ok(ExitStatus::from_raw(raw));
+    }
 }
 
 /// Copies a rank's output line by line, each prefixed with `[rank N] `.
@@ -336,25 +387,34 @@ fn signal_group(pid: u32, signal: i32) {
 
 /// Stops every rank and everything it started, and reaps them.
 fn stop_all(ranks: &mut [Rank], grace: Duration) {
+    // Whole process groups, exited or not: a rank's children may outlive it. Exited ranks are
+    // still unreaped zombies here, so their group ids cannot have been reused.
     for r in ranks.iter() {
-        // Whole process groups, exited or not: a rank's children may outlive it.
-        signal_group(r.pid, libc::SIGTERM);
+        signal_group(r.child.id(), libc::SIGTERM);
     }
+    let exited = |r: &Rank| r.waiter.as_ref().is_none_or(JoinHandle::is_finished);
     let deadline = Instant::now() + grace;
-    while Instant::now() < deadline
-        && ranks
-            .iter()
-            .any(|r| r.waiter.as_ref().is_some_and(|w| !w.is_finished()))
-    {
+    while Instant::now() < deadline && !ranks.iter().all(exited) {
         std::thread::sleep(Duration::from_millis(20));
     }
     for r in ranks.iter_mut() {
-        signal_group(r.pid, libc::SIGKILL);
+        signal_group(r.child.id(), libc::SIGKILL);
+        let _ = r.child.wait();
         if let Some(waiter) = r.waiter.take() {
             let _ = waiter.join();
         }
+    }
+    // A process that left its rank's group (setsid, a daemon) may still hold the output pipes:
+    // stop copying after a moment rather than wait for it.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for r in ranks.iter_mut() {
         for pump in r.pumps.drain(..) {
-            let _ = pump.join();
+            while !pump.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if pump.is_finished() {
+                let _ = pump.join();
+            }
         }
     }
 }

@@ -88,7 +88,7 @@ impl RankArgs {
         let mut options = CommOptions::from_env()?;
         if let Some(secs) = self.comm_timeout {
             options.timeout = comm::parse_timeout(&secs.to_string()).with_context(|| {
-                format!("--comm-timeout {secs} is not a positive number of seconds")
+                format!("--comm-timeout {secs} is not a number of seconds between 0 and one year")
             })?;
         }
         Ok(options)

@@ -39,6 +39,10 @@ impl<E> HostTensor<E> {
 
 /// Message parts: the phase in the high bits, the piece index in the low 24.
 fn part(phase: u32, piece: usize) -> u32 {
+    debug_assert!(
+        piece < 1 << 24,
+        "piece index {piece} overflows the 24 bits of a message part"
+    );
     (phase << 24) | piece as u32
 }
 

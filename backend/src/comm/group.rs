@@ -43,7 +43,7 @@ impl CommOptions {
         if let Ok(value) = std::env::var(TIMEOUT_ENV) {
             options.timeout = parse_timeout(&value).ok_or_else(|| {
                 CommError::Rendezvous(format!(
-                    "{TIMEOUT_ENV}={value:?} is not a positive number of seconds"
+                    "{TIMEOUT_ENV}={value:?} is not a number of seconds between 0 and one year"
                 ))
             })?;
         }
@@ -62,10 +62,13 @@ impl CommOptions {
     }
 }
 
-/// Parses a positive number of seconds ("300", "2.5").
+/// The longest deadline accepted: a year (longer ones would overflow `Instant` arithmetic).
+const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// Parses a positive number of seconds, at most a year ("300", "2.5").
 pub fn parse_timeout(value: &str) -> Option<Duration> {
     let secs: f64 = value.trim().parse().ok()?;
-    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs))
+    (secs > 0.0 && secs <= MAX_TIMEOUT_SECS).then(|| Duration::from_secs_f64(secs))
 }
 
 pub(crate) struct GroupInner {
@@ -524,4 +527,17 @@ fn show(d: &Descriptor) -> String {
         "{} #{} (dtype {:?}, shape {:?}, arg {})",
         d.op, d.seq, d.dtype, d.shape, d.arg
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_positive_and_at_most_a_year() {
+        assert_eq!(parse_timeout("2.5"), Some(Duration::from_millis(2500)));
+        for bad in ["0", "-1", "soon", "NaN", "inf", "1e30"] {
+            assert_eq!(parse_timeout(bad), None, "{bad}");
+        }
+    }
 }

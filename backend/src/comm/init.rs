@@ -26,7 +26,13 @@ impl ProcessGroup {
             None
         };
         let store = StoreClient::connect(&env.master_addr, env.master_port, options.timeout)?;
-        let transport = TcpTransport::connect(env.rank, env.world_size, &store, options.timeout)?;
+        let transport = TcpTransport::connect(
+            env.rank,
+            env.world_size,
+            env.local_world_size,
+            &store,
+            options.timeout,
+        )?;
         let keep_alive: Arc<dyn std::any::Any + Send + Sync> = Arc::new((server, store));
         Ok(Self::world(Arc::new(transport), options, Some(keep_alive)))
     }

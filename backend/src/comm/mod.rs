@@ -38,3 +38,4 @@ pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
 pub use store::{StoreClient, StoreServer};
 pub(crate) use tensor::{AllGather, AllReduce, Broadcast, ReduceScatter, run_on_data};
+pub use transport::tcp::ADVERTISE_ENV;

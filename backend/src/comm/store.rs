@@ -188,7 +188,8 @@ fn handle_request(
                 parse_counter(&key, v).is_ok_and(|c| c >= target)
             }))
         }
-        other => Err(RequestError::Bad(format!("unknown store op {other}"))),
+        // The rest of an unknown request cannot be skipped: drop the connection.
+        _ => Err(RequestError::Io),
     }
 }
 
@@ -196,6 +197,8 @@ fn handle_request(
 #[derive(Debug)]
 pub struct StoreClient {
     stream: Mutex<TcpStream>,
+    /// Barriers entered so far per name: each use of a name is its own barrier.
+    barriers: Mutex<HashMap<String, u64>>,
     addr: String,
     /// How long blocking requests wait.
     timeout: Duration,
@@ -221,11 +224,16 @@ impl StoreClient {
                 let attempt = left.clamp(Duration::from_millis(10), Duration::from_secs(2));
                 match TcpStream::connect_timeout(target, attempt) {
                     Ok(stream) => {
+                        // Blocking requests wait at most `timeout` on the server: a reply that
+                        // takes much longer means the store's host is gone.
+                        let reply_limit = timeout.saturating_add(Duration::from_secs(30));
                         stream
                             .set_nodelay(true)
+                            .and_then(|()| stream.set_read_timeout(Some(reply_limit)))
                             .map_err(|e| CommError::io("configuring the store connection", e))?;
                         return Ok(Self {
                             stream: Mutex::new(stream),
+                            barriers: Mutex::default(),
                             addr,
                             timeout,
                         });
@@ -333,9 +341,16 @@ impl StoreClient {
         Ok(status == STATUS_OK)
     }
 
-    /// Blocks until `count` clients have entered the barrier called `name`.
+    /// Blocks until `count` clients have entered the barrier called `name`. A name can be used
+    /// again: the n-th call on every client meets the n-th call on the others.
     pub fn barrier(&self, name: &str, count: usize) -> Result<(), CommError> {
-        let key = format!("barrier/{name}");
+        let generation = {
+            let mut barriers = self.barriers.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = barriers.entry(name.to_string()).or_insert(0);
+            *entry += 1;
+            *entry
+        };
+        let key = format!("barrier/{name}/{generation}");
         let arrived = self.add(&key, 1)?;
         if !self.wait_at_least(&key, count as i64)? {
             return Err(CommError::Rendezvous(format!(
@@ -381,10 +396,20 @@ fn read_u64(r: &mut impl Read) -> io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
+/// Keys and values are small (addresses, counters, ids): anything larger is not a wildfire client.
+const MAX_FIELD: usize = 1 << 20;
+
 fn read_bytes(r: &mut impl Read) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
-    let mut value = vec![0u8; u32::from_le_bytes(len) as usize];
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FIELD {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("store field of {len} bytes"),
+        ));
+    }
+    let mut value = vec![0u8; len];
     r.read_exact(&mut value)?;
     Ok(value)
 }
@@ -420,7 +445,7 @@ mod tests {
             .collect();
         let handles: Vec<_> = clients
             .into_iter()
-            .map(|c| std::thread::spawn(move || c.barrier("b", 3)))
+            .map(|c| std::thread::spawn(move || c.barrier("b", 3).and_then(|()| c.barrier("b", 3))))
             .collect();
         for h in handles {
             h.join().expect("join").expect("barrier");

@@ -48,6 +48,7 @@ impl TcpTransport {
     pub(crate) fn connect(
         rank: usize,
         world_size: usize,
+        local_world_size: usize,
         store: &StoreClient,
         timeout: Duration,
     ) -> Result<Self, CommError> {
@@ -58,7 +59,7 @@ impl TcpTransport {
             .local_addr()
             .map_err(|e| CommError::io("reading this rank's listener address", e))?
             .port();
-        let ip = store.local_ip()?;
+        let ip = advertised_ip(store, world_size, local_world_size)?;
         store.set(&peer_key(rank), format!("{ip}:{port}").as_bytes())?;
         wait_for_everyone(store, world_size, timeout)?;
 
@@ -84,6 +85,33 @@ impl TcpTransport {
             mailbox,
         })
     }
+}
+
+/// Environment variable: the address this rank publishes for its peers (default: the local
+/// address of its connection to the store).
+pub const ADVERTISE_ENV: &str = "WILDFIRE_ADVERTISE_ADDR";
+
+/// The address peers should dial. A loopback address is refused when the job spans hosts (an
+/// /etc/hosts entry mapping the host name to 127.0.1.1 is the usual cause).
+fn advertised_ip(
+    store: &StoreClient,
+    world_size: usize,
+    local_world_size: usize,
+) -> Result<std::net::IpAddr, CommError> {
+    if let Ok(value) = std::env::var(ADVERTISE_ENV) {
+        return value.trim().parse().map_err(|_| {
+            CommError::Rendezvous(format!("{ADVERTISE_ENV}={value:?} is not an IP address"))
+        });
+    }
+    let ip = store.local_ip()?;
+    if ip.is_loopback() && world_size > local_world_size {
+        return Err(CommError::Rendezvous(format!(
+            "this rank reaches the store through loopback ({ip}) but the job spans hosts \
+             ({world_size} ranks, {local_world_size} on this one): set MASTER_ADDR to an address \
+             other hosts can reach, or {ADVERTISE_ENV} to this host's address"
+        )));
+    }
+    Ok(ip)
 }
 
 fn peer_key(rank: usize) -> String {
@@ -229,6 +257,8 @@ fn read_loop(stream: TcpStream, peer: usize, mailbox: &Mailbox) {
         match read_frame(&mut reader) {
             Ok(message) => mailbox.deliver(peer, message),
             Err(e) => {
+                // Close the connection so the peer's writer fails at once instead of blocking.
+                let _ = reader.get_ref().shutdown(Shutdown::Both);
                 let reason = if e.kind() == io::ErrorKind::UnexpectedEof {
                     format!("rank {peer} closed its connection (process exited?)")
                 } else {
@@ -300,7 +330,13 @@ fn read_elements<E: bytemuck::Pod>(
         .checked_mul(size_of::<E>())
         .filter(|len| *len <= MAX_PAYLOAD)
         .ok_or_else(|| invalid("payload size"))?;
-    let mut data: Vec<E> = Vec::with_capacity(elems);
+    let mut data: Vec<E> = Vec::new();
+    data.try_reserve_exact(elems).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("cannot allocate a payload of {len} bytes"),
+        )
+    })?;
     let dst = data.as_mut_ptr().cast::<u8>();
     let buffered = r.buffer();
     let mut filled = buffered.len().min(len);
