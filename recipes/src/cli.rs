@@ -106,6 +106,9 @@ pub struct CommCheckArgs {
     /// Skip the 4 MiB size (quicker).
     #[arg(long)]
     pub small: bool,
+    /// Where the checked tensors live: `cpu`, or `cuda` (GPU LOCAL_RANK; builds with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// Runs the command; returns the process exit code.
@@ -143,6 +146,12 @@ fn run_launch(args: LaunchArgs) -> anyhow::Result<i32> {
 }
 
 fn run_comm_check(args: CommCheckArgs) -> anyhow::Result<i32> {
+    match args.device.as_str() {
+        "cpu" => {}
+        "cuda" if cfg!(feature = "cuda") => {}
+        "cuda" => bail!("--device cuda needs a build with `--features cuda`"),
+        other => bail!("--device {other:?}: expected cpu or cuda"),
+    }
     let options = args.ranks.options()?;
     let worlds = match args.threads {
         Some(n) => ProcessGroup::local_world(n, options)?,
@@ -152,9 +161,13 @@ fn run_comm_check(args: CommCheckArgs) -> anyhow::Result<i32> {
         )?],
     };
     let large = !args.small;
+    let device = args.device.clone();
     let handles: Vec<_> = worlds
         .into_iter()
-        .map(|world| std::thread::spawn(move || check_one(&world, large)))
+        .map(|world| {
+            let device = device.clone();
+            std::thread::spawn(move || check_one(&world, &device, large))
+        })
         .collect();
     let mut failed = false;
     for handle in handles {
@@ -173,11 +186,23 @@ fn run_comm_check(args: CommCheckArgs) -> anyhow::Result<i32> {
     Ok(i32::from(failed))
 }
 
-fn check_one(world: &ProcessGroup, large: bool) -> Result<(), String> {
+fn check_one(world: &ProcessGroup, device: &str, large: bool) -> Result<(), String> {
     let started = std::time::Instant::now();
-    let summary = selfcheck::run::<Flex>(world, &Default::default(), large)?;
+    let summary = match device {
+        "cpu" => selfcheck::run::<Flex>(world, &Default::default(), large)?,
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let local_rank = std::env::var("LOCAL_RANK")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            selfcheck::run::<burn::backend::Cuda>(world, &device, large)?
+        }
+        other => return Err(format!("--device {other:?} is not available in this build")),
+    };
     println!(
-        "comm-check passed: rank {} of {} ({} transport), {} exact checks in {:.2} s{}",
+        "comm-check passed: rank {} of {} ({} transport, {device} tensors), {} exact checks in {:.2} s{}",
         world.rank(),
         world.size(),
         world.transport_name(),

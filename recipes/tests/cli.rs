@@ -74,6 +74,12 @@ fn bad_comm_settings_are_named() {
         "{}",
         stderr(&out)
     );
+    let out = wildfire(&["comm-check", "--device", "tpu"]);
+    assert!(
+        stderr(&out).contains("--device \"tpu\": expected cpu or cuda"),
+        "{}",
+        stderr(&out)
+    );
     let out = wildfire(&["comm-check", "--rank", "3", "--world-size", "2"]);
     assert!(
         stderr(&out).contains("rank 3 is not below the world size 2"),

@@ -153,3 +153,70 @@ pub fn launch(n: usize, extra: &[&str], command: &[&str]) -> Command {
 pub fn process_exists(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
+
+/// A tiny deterministic training run, for checking that a backend changes nothing.
+pub mod training {
+    use burn::module::{Module, Param};
+    use burn::nn::Linear;
+    use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+    use burn::tensor::activation::relu;
+    use burn::tensor::backend::{AutodiffBackend, Backend};
+    use burn::tensor::{Tensor, TensorData};
+
+    #[derive(Module, Debug)]
+    struct Mlp<B: Backend> {
+        hidden: Linear<B>,
+        out: Linear<B>,
+    }
+
+    /// Deterministic, non-symmetric values (no global RNG: tests run in parallel).
+    pub fn values(len: usize, salt: u32) -> Vec<f32> {
+        (0..len as u32)
+            .map(|i| (((i * 2_654_435_761u32) ^ salt) % 1000) as f32 / 1000.0 - 0.5)
+            .collect()
+    }
+
+    fn linear<B: Backend>(d_in: usize, d_out: usize, salt: u32, device: &B::Device) -> Linear<B> {
+        let weight = Tensor::from_data(
+            TensorData::new(values(d_in * d_out, salt), [d_in, d_out]),
+            device,
+        );
+        let bias = Tensor::from_data(TensorData::new(values(d_out, salt + 1), [d_out]), device);
+        Linear {
+            weight: Param::from_tensor(weight),
+            bias: Some(Param::from_tensor(bias)),
+        }
+    }
+
+    /// Five Adam steps of a small MLP on a fixed regression, from fixed weights (no global RNG:
+    /// tests run in parallel); returns the bits of the trained parameters.
+    pub fn mlp_training_bits<B: AutodiffBackend>() -> Vec<u32> {
+        let device = Default::default();
+        let mut model = Mlp::<B> {
+            hidden: linear(8, 16, 7, &device),
+            out: linear(16, 4, 11, &device),
+        };
+        let mut optim = AdamConfig::new().init();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(values(32 * 8, 3), [32, 8]), &device);
+        let y = Tensor::<B, 2>::from_data(TensorData::new(values(32 * 4, 5), [32, 4]), &device);
+        for _ in 0..5 {
+            let prediction = model.out.forward(relu(model.hidden.forward(x.clone())));
+            let loss = (prediction - y.clone()).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-2, model, grads);
+        }
+        [
+            model.hidden.weight.val().into_data(),
+            model.hidden.bias.expect("bias").val().into_data(),
+            model.out.weight.val().into_data(),
+        ]
+        .into_iter()
+        .flat_map(|d| {
+            d.to_vec::<f32>()
+                .expect("f32")
+                .into_iter()
+                .map(f32::to_bits)
+        })
+        .collect()
+    }
+}

@@ -13,7 +13,9 @@ fn comm_check(n: usize) {
     let out = done.output();
     assert_eq!(done.code, Some(0), "{out}");
     for rank in 0..n {
-        let line = format!("[rank {rank}] comm-check passed: rank {rank} of {n} (tcp transport)");
+        let line = format!(
+            "[rank {rank}] comm-check passed: rank {rank} of {n} (tcp transport, cpu tensors)"
+        );
         assert!(out.contains(&line), "missing {line:?} in\n{out}");
     }
 }

@@ -1,0 +1,72 @@
+//! The decorator and the collectives on the CUDA backend (`--features cuda`; run by
+//! `scripts/gpu-check.sh`). Without a CUDA driver and device each test says it is skipped.
+//! Collectives move device buffers through host memory until the NCCL transport exists.
+#![cfg(feature = "cuda")]
+
+use std::time::Duration;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::{Autodiff, Cuda};
+use burn::tensor::Tensor;
+use wildfire_backend::Parallel;
+use wildfire_backend::comm::selfcheck;
+use wildfire_tests::training::mlp_training_bits;
+use wildfire_tests::{options, run_ranks};
+
+/// Whether a CUDA device answers; the reason when not (no driver, no device).
+fn cuda_device() -> Result<CudaDevice, String> {
+    // Look for the driver first: without it the CUDA runtime panics on a device thread, and the
+    // panic that reaches us only says a channel closed.
+    // SAFETY: dlopen with a valid C string; the handle is closed right away.
+    let driver = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY) };
+    if driver.is_null() {
+        return Err("libcuda.so.1 cannot be loaded: no NVIDIA driver on this machine".into());
+    }
+    // SAFETY: the handle came from dlopen above.
+    unsafe { libc::dlclose(driver) };
+    let device = CudaDevice::default();
+    let probe = device.clone();
+    std::panic::catch_unwind(move || Tensor::<Cuda, 1>::zeros([1], &probe).into_data())
+        .map(|_| device)
+        .map_err(|panic| {
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the CUDA runtime panicked".into())
+        })
+}
+
+macro_rules! require_cuda {
+    () => {
+        if let Err(why) = cuda_device() {
+            println!("skipped: no usable CUDA device ({why})");
+            return;
+        }
+    };
+}
+
+#[test]
+fn decorator_is_bitwise_identical_on_cuda() {
+    require_cuda!();
+    assert_eq!(
+        mlp_training_bits::<Autodiff<Cuda>>(),
+        mlp_training_bits::<Autodiff<Parallel<Cuda>>>()
+    );
+}
+
+#[test]
+fn every_op_is_exact_on_cuda_tensors() {
+    require_cuda!();
+    for n in [1, 2] {
+        let summaries = run_ranks(
+            n,
+            options(120.0, false),
+            Duration::from_secs(300),
+            |world| selfcheck::run::<Cuda>(&world, &CudaDevice::default(), true),
+        );
+        for summary in summaries {
+            summary.expect("exact on CUDA tensors");
+        }
+    }
+}
