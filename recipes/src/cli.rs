@@ -87,7 +87,7 @@ impl RankArgs {
     fn options(&self) -> anyhow::Result<CommOptions> {
         let mut options = CommOptions::from_env()?;
         if let Some(secs) = self.comm_timeout {
-            options.timeout = comm::parse_timeout(&secs.to_string()).with_context(|| {
+            options.timeout = comm::timeout_from_secs(secs).with_context(|| {
                 format!("--comm-timeout {secs} is not a number of seconds between 0 and one year")
             })?;
         }

@@ -67,7 +67,11 @@ const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
 /// Parses a positive number of seconds, at most a year ("300", "2.5").
 pub fn parse_timeout(value: &str) -> Option<Duration> {
-    let secs: f64 = value.trim().parse().ok()?;
+    timeout_from_secs(value.trim().parse().ok()?)
+}
+
+/// A deadline of `secs` seconds, if positive and at most a year.
+pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
     (secs > 0.0 && secs <= MAX_TIMEOUT_SECS).then(|| Duration::from_secs_f64(secs))
 }
 
