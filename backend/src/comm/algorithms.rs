@@ -111,6 +111,16 @@ impl OpCtx<'_> {
         Ok(values)
     }
 
+    /// Sends step `part` to each of `peers`, every send attempted (see [`all_sent`]).
+    fn send_each(
+        &self,
+        peers: &[usize],
+        part: u32,
+        payload: impl Fn(usize) -> Payload,
+    ) -> Result<(), CommError> {
+        all_sent(peers.iter().map(|&q| self.send(q, part, payload(q))))
+    }
+
     /// Receives step `part` from each of `peers`, checking that every one has this rank's shape
     /// and sent `len` elements of `E`.
     fn recv_same_shape<E: CommElem>(
@@ -153,11 +163,9 @@ impl OpCtx<'_> {
     ) -> Result<(), CommError> {
         let (me, peers) = (self.group.rank(), peers_of(self.group));
         let chunks = split_ranges(buf.len(), self.group.size());
-        all_sent(
-            peers
-                .iter()
-                .map(|&q| self.send(q, part(0, 0), Payload::view(buf, chunks[q].clone()))),
-        )?;
+        self.send_each(&peers, part(0, 0), |q| {
+            Payload::view(buf, chunks[q].clone())
+        })?;
         let granted = self.recv_same_shape::<E>(&peers, part(0, 0), chunks[me].len())?;
         let mut regions = Vec::with_capacity(self.group.size());
         for message in &granted {
@@ -172,11 +180,7 @@ impl OpCtx<'_> {
         // touches it no more; no other rank touches chunk `me` of this rank's buffer.
         unsafe { fold_regions(&regions, chunks[me].len(), op) };
         drop(granted);
-        all_sent(
-            peers
-                .iter()
-                .map(|&q| self.send(q, part(1, 0), Payload::empty())),
-        )?;
+        self.send_each(&peers, part(1, 0), |_| Payload::empty())?;
         // Once every peer is done, all chunks of this buffer hold their results.
         self.recv_all(&peers, part(1, 0)).map(drop)
     }
@@ -202,11 +206,7 @@ impl OpCtx<'_> {
             // SAFETY: peers never read chunk `me` of this buffer before the sends just below.
             fold_in_place(unsafe { buf.region_mut(piece.clone()) }, me, &inputs, op);
             drop(messages);
-            all_sent(
-                peers
-                    .iter()
-                    .map(|&q| self.send(q, part(1, p), Payload::view(buf, piece.clone()))),
-            )?;
+            self.send_each(&peers, part(1, p), |_| Payload::view(buf, piece.clone()))?;
         }
         for &q in &peers {
             for (p, piece) in pieces(&chunks[q], max).into_iter().enumerate() {
@@ -288,11 +288,7 @@ impl ProcessGroup {
             rows[q].start * scale..rows[q].end * scale
         };
         let buf = SharedBuf::new(packed);
-        all_sent(
-            peers
-                .iter()
-                .map(|&q| ctx.send(q, 0, Payload::view(&buf, chunk(q)))),
-        )?;
+        ctx.send_each(&peers, 0, |q| Payload::view(&buf, chunk(q)))?;
         let messages = ctx.recv_same_shape::<E>(&peers, 0, chunk(me).len())?;
         let inputs = slices::<E>(&messages);
         // SAFETY: nobody writes this buffer during a reduce-scatter.
@@ -322,11 +318,7 @@ impl ProcessGroup {
         let shape = input.shape;
         let len = input.data.len();
         let buf = SharedBuf::new(input.data);
-        all_sent(
-            peers
-                .iter()
-                .map(|&q| ctx.send(q, 0, Payload::view(&buf, 0..len))),
-        )?;
+        ctx.send_each(&peers, 0, |_| Payload::view(&buf, 0..len))?;
         let messages = ctx.recv_all(&peers, 0)?;
         let mut sizes = Vec::with_capacity(self.size());
         let mut parts = Vec::with_capacity(self.size());
@@ -377,11 +369,7 @@ impl ProcessGroup {
         if self.rank() == root {
             let len = data.len();
             let buf = SharedBuf::new(data);
-            all_sent(
-                peers_of(self)
-                    .into_iter()
-                    .map(|q| ctx.send(q, 0, Payload::view(&buf, 0..len))),
-            )?;
+            ctx.send_each(&peers_of(self), 0, |_| Payload::view(&buf, 0..len))?;
             data = ctx.reclaim(buf)?;
         } else {
             let message = ctx.recv(root, 0)?;
@@ -427,7 +415,7 @@ impl ProcessGroup {
                 Payload::owned(along.pack(data, &rows[q]))
             }
         };
-        all_sent(peers.iter().map(|&q| ctx.send(q, 0, part_payload(q))))?;
+        ctx.send_each(&peers, 0, part_payload)?;
         let packed_own;
         let own_part: &[E] = if contiguous {
             &data[along.flat(&rows[me])]
@@ -449,7 +437,7 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<(), CommError> {
         let ctx = self.begin(OpKind::Barrier, WireDType::U8, &[], 0)?;
         let peers = peers_of(self);
-        all_sent(peers.iter().map(|&q| ctx.send(q, 0, Payload::empty())))?;
+        ctx.send_each(&peers, 0, |_| Payload::empty())?;
         ctx.recv_all(&peers, 0).map(drop)
     }
 
