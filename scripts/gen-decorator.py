@@ -54,7 +54,7 @@ def items(body):
         elif depth == 0 and body.startswith("fn ", i) and (i == 0 or not body[i - 1].isalnum()):
             # Signature ends at the first top-level `{` or `;` after the parameter list.
             j = i
-            paren = angle = 0
+            paren = 0
             while True:
                 ch = body[j]
                 if ch == "(":
@@ -121,8 +121,6 @@ def generic_args(sig):
             depth -= 1
             if depth == 0:
                 gens = split_top(sig[start:k])
-                names = [g.split(":")[0].strip() for g in gens if not g.startswith("'") and not g.startswith("const ")]
-                consts = [g.split(":")[0].replace("const", "").strip() for g in gens if g.startswith("const ")]
                 allnames = [g.split(":")[0].replace("const", "").strip() for g in gens if not g.startswith("'")]
                 return "::<" + ", ".join(allnames) + ">" if allnames else ""
     return ""

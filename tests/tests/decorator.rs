@@ -6,6 +6,7 @@ use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::Tensor;
 use wildfire_backend::Parallel;
+use wildfire_tests::panic_text;
 use wildfire_tests::training::{mlp_training_bits, values};
 
 #[test]
@@ -25,11 +26,7 @@ fn wgpu_device() -> Result<(), String> {
         Tensor::<Wgpu, 1>::zeros([1], &WgpuDevice::default()).into_data()
     });
     probe.map(drop).map_err(|panic| {
-        let text = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
+        let text = panic_text(&*panic).unwrap_or_default();
         format!("no wgpu adapter ({text}); install mesa-vulkan-drivers for a CPU Vulkan device")
     })
 }

@@ -11,7 +11,7 @@ use burn::tensor::Tensor;
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::selfcheck;
 use wildfire_tests::training::mlp_training_bits;
-use wildfire_tests::{options, run_ranks};
+use wildfire_tests::{options, panic_text, run_ranks};
 
 /// Whether a CUDA device answers; the reason when not (no driver, no device).
 fn cuda_device() -> Result<CudaDevice, String> {
@@ -28,13 +28,7 @@ fn cuda_device() -> Result<CudaDevice, String> {
     let probe = device.clone();
     std::panic::catch_unwind(move || Tensor::<Cuda, 1>::zeros([1], &probe).into_data())
         .map(|_| device)
-        .map_err(|panic| {
-            panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "the CUDA runtime panicked".into())
-        })
+        .map_err(|panic| panic_text(&*panic).unwrap_or_else(|| "the CUDA runtime panicked".into()))
 }
 
 macro_rules! require_cuda {
