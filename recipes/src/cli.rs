@@ -1,12 +1,17 @@
 //! The `wildfire` command line: argument definitions and the commands behind them.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use burn::backend::Flex;
+use burn::backend::{Autodiff, Flex};
 use clap::{Args, Parser, Subcommand};
 use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
 use wildfire_backend::launch::{self, LaunchConfig};
+
+use crate::config::RunConfig;
+use crate::model::{Gpt, StageSpec};
+use crate::{checkpoint, generate, hf, train};
 
 #[derive(Debug, Parser)]
 #[command(name = "wildfire", version, about = "Distributed LLM training on Burn")]
@@ -21,6 +26,62 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Check every collective with rank-stamped data, exactly, on this job's ranks.
     CommCheck(CommCheckArgs),
+    /// Train a GPT (default: the tiny model on the bundled Shakespeare, on CPU).
+    Train(TrainArgs),
+    /// Sample text from a checkpoint.
+    Generate(GenerateArgs),
+    /// Write a checkpoint's model in another format.
+    Export(ExportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Config file (TOML); default: the built-in recipes/configs/shakespeare-char.toml.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override one key, `section.key=value` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Continue from the newest complete checkpoint in run.dir.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A checkpoint directory, or a run directory (its newest checkpoint is used).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    #[arg(long, default_value_t = 500)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample among the k most likely tokens only.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ExportFormat {
+    /// Hugging Face GPT2LMHeadModel: model.safetensors + config.json.
+    HfSafetensors,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    #[arg(long, value_enum)]
+    pub format: ExportFormat,
+    /// A checkpoint directory, or a run directory (its newest checkpoint is used).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Output: a directory, or a path ending in .safetensors (config.json goes beside it).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -116,7 +177,65 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Launch(args) => run_launch(args),
         Command::CommCheck(args) => run_comm_check(args),
+        Command::Train(args) => run_train(args),
+        Command::Generate(args) => run_generate(args),
+        Command::Export(args) => run_export(args),
     }
+}
+
+/// Sizes the CPU backend's thread pool (once per process).
+fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .with_context(|| format!("run.threads = {n}: the thread pool is already running"))?;
+    }
+    Ok(())
+}
+
+fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
+    let config = RunConfig::load(args.config.as_deref(), &args.overrides)?;
+    set_threads(config.run.threads)?;
+    let outcome = train::run::<Autodiff<Flex>>(config, args.resume)?;
+    println!(
+        "trained to step {} in {}; last loss {:.4}",
+        outcome.steps,
+        outcome.run_dir.display(),
+        outcome.losses.last().copied().unwrap_or(f64::NAN)
+    );
+    Ok(0)
+}
+
+fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
+    let (model, tokenizer, config) =
+        generate::load_model::<Flex>(&args.checkpoint, &Default::default())?;
+    let sampling = generate::Sampling {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    let prompt = args.prompt.replace("\\n", "\n");
+    println!(
+        "{}",
+        generate::generate(&model, &tokenizer, &prompt, &sampling, config.context)?
+    );
+    Ok(0)
+}
+
+fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
+    let mut loaded = checkpoint::load(&checkpoint::resolve(&args.checkpoint)?)?;
+    let config = loaded.state.model.clone();
+    let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &Default::default());
+    let model = loaded.apply_params(model)?;
+    match args.format {
+        ExportFormat::HfSafetensors => {
+            let path = hf::export(&model, &config, &args.out)?;
+            println!("wrote {} (and config.json beside it)", path.display());
+        }
+    }
+    Ok(0)
 }
 
 fn run_launch(args: LaunchArgs) -> anyhow::Result<i32> {

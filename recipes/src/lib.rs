@@ -1,4 +1,13 @@
-//! wildfire recipes: the `wildfire` command line. The training recipe (GPT model, data, loop)
-//! arrives with its own issue; today the binary launches jobs and checks the collectives.
+//! wildfire recipes: the GPT model, its data pipeline and training loop (on burn-train),
+//! checkpoints, generation, Hugging Face GPT-2 interoperability, and the `wildfire` command line.
 
+pub mod checkpoint;
 pub mod cli;
+pub mod config;
+pub mod data;
+pub mod generate;
+pub mod hf;
+pub mod logging;
+pub mod model;
+pub mod optim;
+pub mod train;

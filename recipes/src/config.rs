@@ -1,0 +1,291 @@
+//! The recipe's configuration: TOML files with `--set section.key=value` overrides, unknown
+//! keys rejected, and the fully resolved form saved with every run.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::data::TokenizerKind;
+use crate::model::{GptConfig, Preset};
+
+/// The config `wildfire train` runs when given none.
+pub const DEFAULT_CONFIG: &str = include_str!("../configs/shakespeare-char.toml");
+/// Where the default config is, for messages.
+pub const DEFAULT_CONFIG_NAME: &str = "recipes/configs/shakespeare-char.toml";
+
+/// A training run, as written in a config file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub train: TrainSection,
+    pub checkpoint: CheckpointSection,
+    pub run: RunSection,
+}
+
+/// A preset plus explicit overrides; without a preset every size must be given.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub preset: Option<Preset>,
+    pub n_layer: Option<usize>,
+    pub n_head: Option<usize>,
+    pub d_model: Option<usize>,
+    pub context: Option<usize>,
+    pub dropout: Option<f64>,
+    pub bias: Option<bool>,
+    pub tie_embeddings: Option<bool>,
+    /// Defaults to the tokenizer's vocabulary; may be larger (padding, e.g. 50304 for GPT-2).
+    pub vocab_size: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// A text file, or a directory whose files are read in path order.
+    pub path: PathBuf,
+    pub tokenizer: TokenizerKind,
+    /// Fraction of the tokens, at the end of the corpus, held out for validation.
+    pub val_fraction: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    pub seed: u64,
+    pub max_steps: u64,
+    /// Sequences per micro-batch on one device.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Peak learning rate, reached at the end of warmup.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay (step `max_steps`).
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global gradient-norm bound; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Evaluate the validation loss every this many steps (and at the end); 0 disables.
+    pub eval_every: u64,
+    /// Validation batches (of `micro_batch` sequences) per evaluation.
+    pub eval_batches: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every this many steps (and at the end); 0 saves only at the end.
+    pub every: u64,
+    /// Committed checkpoints kept; older ones are deleted. 0 keeps all.
+    pub keep_last: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Run directory: config.json, metrics.jsonl, the event file, checkpoints/.
+    pub dir: PathBuf,
+    /// Print a progress line every this many steps (metrics files get every step).
+    pub log_every: u64,
+    /// Peak FLOP/s of the device, for MFU; absent means MFU is reported as "n/a".
+    pub peak_flops: Option<f64>,
+    /// Worker threads of the CPU backend; absent uses every core.
+    pub threads: Option<usize>,
+    /// Start from Hugging Face GPT-2 weights: `hf:PATH/model.safetensors`.
+    pub init_from: Option<String>,
+}
+
+impl RunConfig {
+    /// Parses `text` (TOML) after applying `overrides` of the form `section.key=value`. The value
+    /// is read as a TOML value (`3`, `1e-3`, `true`, `"x"`), or as a string when it is not one.
+    pub fn parse(text: &str, source: &str, overrides: &[String]) -> anyhow::Result<Self> {
+        let mut table: toml::Table =
+            toml::from_str(text).with_context(|| format!("config {source} is not valid TOML"))?;
+        for assignment in overrides {
+            apply_override(&mut table, assignment)?;
+        }
+        let config: RunConfig = table
+            .try_into()
+            .map_err(|e: toml::de::Error| anyhow::anyhow!("config {source}: {}", e.message()))?;
+        config.train.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a config file (or the built-in default when `path` is `None`).
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<Self> {
+        match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("config file {} cannot be read", path.display()))?;
+                Self::parse(&text, &path.display().to_string(), overrides)
+            }
+            None => Self::parse(DEFAULT_CONFIG, DEFAULT_CONFIG_NAME, overrides),
+        }
+    }
+
+    /// Tokens in one optimizer step on one device.
+    pub fn tokens_per_step(&self, context: usize) -> usize {
+        self.train.micro_batch * self.train.grad_accum * context
+    }
+}
+
+fn apply_override(table: &mut toml::Table, assignment: &str) -> anyhow::Result<()> {
+    let Some((path, raw)) = assignment.split_once('=') else {
+        bail!("--set {assignment:?} is not of the form section.key=value");
+    };
+    let keys: Vec<&str> = path.trim().split('.').collect();
+    if keys.len() != 2 || keys.iter().any(|k| k.is_empty()) {
+        bail!("--set {assignment:?}: the key {path:?} must be section.key");
+    }
+    let value = parse_value(raw.trim());
+    let section = table
+        .entry(keys[0])
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let Some(section) = section.as_table_mut() else {
+        bail!("--set {assignment:?}: {} is not a section", keys[0]);
+    };
+    section.insert(keys[1].to_string(), value);
+    Ok(())
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+impl TrainSection {
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.micro_batch == 0 || self.grad_accum == 0 {
+            bail!(
+                "train.micro_batch = {} and train.grad_accum = {} must both be at least 1",
+                self.micro_batch,
+                self.grad_accum
+            );
+        }
+        if self.min_lr > self.lr {
+            bail!(
+                "train.min_lr = {} is above train.lr = {}",
+                self.min_lr,
+                self.lr
+            );
+        }
+        Ok(())
+    }
+}
+
+impl ModelSection {
+    /// The model's sizes: the preset's, overridden by every field given here. `vocab` is the
+    /// tokenizer's vocabulary size, used unless `vocab_size` is set (it may only be larger).
+    pub fn resolve(&self, vocab: usize) -> anyhow::Result<GptConfig> {
+        let base = self.preset.map(|p| p.config(vocab));
+        let pick = |given: Option<usize>, preset: Option<usize>, field: &str| {
+            given.or(preset).with_context(|| {
+                format!("model.{field} is missing (give it, or a model.preset to take it from)")
+            })
+        };
+        let vocab_size = self.vocab_size.unwrap_or(vocab);
+        if vocab_size < vocab {
+            bail!("model.vocab_size = {vocab_size} is smaller than the tokenizer's {vocab} tokens");
+        }
+        let config = GptConfig {
+            vocab_size,
+            n_layer: pick(self.n_layer, base.as_ref().map(|b| b.n_layer), "n_layer")?,
+            n_head: pick(self.n_head, base.as_ref().map(|b| b.n_head), "n_head")?,
+            d_model: pick(self.d_model, base.as_ref().map(|b| b.d_model), "d_model")?,
+            context: pick(self.context, base.as_ref().map(|b| b.context), "context")?,
+            dropout: self
+                .dropout
+                .or(base.as_ref().map(|b| b.dropout))
+                .unwrap_or(0.0),
+            bias: self.bias.or(base.as_ref().map(|b| b.bias)).unwrap_or(true),
+            tie_embeddings: self
+                .tie_embeddings
+                .or(base.as_ref().map(|b| b.tie_embeddings))
+                .unwrap_or(true),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The first field where a checkpoint's model and the given one differ, as an error naming the
+/// field and both values.
+pub fn check_same_model(checkpoint: &GptConfig, given: &GptConfig) -> anyhow::Result<()> {
+    let (saved, now) = (
+        serde_json::to_value(checkpoint)?,
+        serde_json::to_value(given)?,
+    );
+    if let (Some(saved), Some(now)) = (saved.as_object(), now.as_object()) {
+        for (field, saved_value) in saved {
+            let given_value = &now[field];
+            if saved_value != given_value {
+                bail!(
+                    "cannot resume: model.{field} is {saved_value} in the checkpoint but \
+                     {given_value} in the given config"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_parses_and_overrides_apply() {
+        let config = RunConfig::parse(
+            DEFAULT_CONFIG,
+            "default",
+            &[
+                "train.max_steps=7".into(),
+                "model.dropout=0.25".into(),
+                "run.dir=/tmp/x".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(config.train.max_steps, 7);
+        assert_eq!(config.model.dropout, Some(0.25));
+        assert_eq!(config.run.dir, PathBuf::from("/tmp/x"));
+    }
+
+    #[test]
+    fn unknown_and_missing_keys_are_named() {
+        let err = RunConfig::parse(DEFAULT_CONFIG, "default", &["train.max_stepz=7".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_stepz"), "{err}");
+        let text = DEFAULT_CONFIG.replace("max_steps", "# max_steps");
+        let err = RunConfig::parse(&text, "edited", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_steps"), "{err}");
+        let err = RunConfig::parse(DEFAULT_CONFIG, "default", &["nonsense".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("section.key=value"), "{err}");
+    }
+
+    #[test]
+    fn model_mismatch_names_field_and_values() {
+        let a = Preset::Tiny.config(65);
+        let b = GptConfig {
+            n_layer: 6,
+            ..a.clone()
+        };
+        let err = check_same_model(&a, &b).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "cannot resume: model.n_layer is 4 in the checkpoint but 6 in the given config"
+        );
+    }
+}

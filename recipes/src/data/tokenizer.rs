@@ -1,0 +1,156 @@
+//! Tokenizers: character-level (the vocabulary is the corpus's distinct characters, in code-point
+//! order) and GPT-2's byte-level BPE (tiktoken's `r50k_base`, whose ranks ship inside the
+//! tiktoken-rs crate, so nothing is downloaded).
+
+use serde::{Deserialize, Serialize};
+use tiktoken_rs::CoreBPE;
+
+/// Which tokenizer a run uses; stored in the run's config and checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenizerKind {
+    Char,
+    Gpt2,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("character {ch:?} (U+{code:04X}) is not in the {size}-character vocabulary")]
+    UnknownChar { ch: char, code: u32, size: usize },
+    #[error("token id {id} is outside the vocabulary of {size}")]
+    UnknownId { id: u32, size: usize },
+    #[error("GPT-2 BPE tables failed to load: {0}")]
+    Bpe(String),
+    #[error("decoded GPT-2 tokens are not valid UTF-8: {0}")]
+    Utf8(String),
+}
+
+/// A tokenizer ready to encode and decode.
+pub enum Tokenizer {
+    /// `chars[id]` is the character of token `id`.
+    Char {
+        chars: Vec<char>,
+    },
+    Gpt2(Box<CoreBPE>),
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Char { chars } => write!(f, "Tokenizer::Char({} chars)", chars.len()),
+            Self::Gpt2(_) => write!(f, "Tokenizer::Gpt2"),
+        }
+    }
+}
+
+/// GPT-2's vocabulary size (50,000 merges, 256 bytes, `<|endoftext|>`).
+pub const GPT2_VOCAB: usize = 50257;
+
+impl Tokenizer {
+    /// A character tokenizer over the distinct characters of `text`.
+    pub fn char_level(text: &str) -> Self {
+        let mut chars: Vec<char> = text.chars().collect();
+        chars.sort_unstable();
+        chars.dedup();
+        Self::Char { chars }
+    }
+
+    /// A character tokenizer with a given vocabulary (as saved in a checkpoint).
+    pub fn from_chars(vocab: &str) -> Self {
+        Self::Char {
+            chars: vocab.chars().collect(),
+        }
+    }
+
+    pub fn gpt2() -> Result<Self, TokenizerError> {
+        tiktoken_rs::r50k_base()
+            .map(|bpe| Self::Gpt2(Box::new(bpe)))
+            .map_err(|e| TokenizerError::Bpe(e.to_string()))
+    }
+
+    pub fn kind(&self) -> TokenizerKind {
+        match self {
+            Self::Char { .. } => TokenizerKind::Char,
+            Self::Gpt2(_) => TokenizerKind::Gpt2,
+        }
+    }
+
+    /// The character vocabulary as one string (empty for BPE, whose tables are fixed).
+    pub fn vocab_string(&self) -> String {
+        match self {
+            Self::Char { chars } => chars.iter().collect(),
+            Self::Gpt2(_) => String::new(),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Char { chars } => chars.len(),
+            Self::Gpt2(_) => GPT2_VOCAB,
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match self {
+            Self::Char { chars } => text
+                .chars()
+                .map(|ch| {
+                    chars.binary_search(&ch).map(|id| id as u32).map_err(|_| {
+                        TokenizerError::UnknownChar {
+                            ch,
+                            code: ch as u32,
+                            size: chars.len(),
+                        }
+                    })
+                })
+                .collect(),
+            Self::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+        }
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        match self {
+            Self::Char { chars } => ids
+                .iter()
+                .map(|&id| {
+                    chars
+                        .get(id as usize)
+                        .copied()
+                        .ok_or(TokenizerError::UnknownId {
+                            id,
+                            size: chars.len(),
+                        })
+                })
+                .collect(),
+            Self::Gpt2(bpe) => bpe
+                .decode(ids.to_vec())
+                .map_err(|e| TokenizerError::Utf8(e.to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn char_level_round_trips_and_names_unknown_characters() {
+        let tok = Tokenizer::char_level("hello world");
+        assert_eq!(tok.vocab_size(), 8);
+        let ids = tok.encode("low");
+        assert_eq!(tok.decode(&ids.unwrap()).unwrap(), "low");
+        let err = tok.encode("hex").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "character 'x' (U+0078) is not in the 8-character vocabulary"
+        );
+    }
+
+    #[test]
+    fn gpt2_bpe_loads_offline_and_round_trips() {
+        let tok = Tokenizer::gpt2().unwrap();
+        let ids = tok.encode("Hello world").unwrap();
+        assert_eq!(ids, vec![15496, 995], "GPT-2's ids for 'Hello world'");
+        assert_eq!(tok.decode(&ids).unwrap(), "Hello world");
+    }
+}

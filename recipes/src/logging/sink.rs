@@ -1,0 +1,92 @@
+//! The run's metric files: `metrics.jsonl` (one JSON object per logged step or evaluation) and a
+//! TensorBoard event file, written from the training loop with the global step as x-axis.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use super::tensorboard::EventWriter;
+
+/// One optimizer step's numbers.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    pub step: u64,
+    /// Mean loss per token over the step's micro-batches.
+    pub loss: f64,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub tokens_per_sec: f64,
+    /// Model FLOPs utilisation in [0, 1]; absent when the device peak is unknown.
+    pub mfu: Option<f64>,
+    pub step_time_ms: f64,
+}
+
+/// Appends metrics to `metrics.jsonl` and to the TensorBoard event file of a run directory.
+#[derive(Debug)]
+pub struct MetricsSink {
+    jsonl: BufWriter<File>,
+    events: EventWriter,
+}
+
+impl MetricsSink {
+    /// Opens the sink in `run_dir` and records `config_toml` as the run's `config` text.
+    /// `metrics.jsonl` is appended to, so a resumed run continues the same file.
+    pub fn open(run_dir: &Path, config_toml: &str, step: u64) -> anyhow::Result<Self> {
+        let path = run_dir.join("metrics.jsonl");
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        let mut events = EventWriter::create(run_dir).with_context(|| {
+            format!(
+                "cannot create a TensorBoard event file in {}",
+                run_dir.display()
+            )
+        })?;
+        // Fenced, so TensorBoard's markdown view keeps the TOML's lines.
+        events.add_text(
+            "config",
+            &format!("```toml\n{config_toml}\n```"),
+            step as i64,
+        )?;
+        Ok(Self {
+            jsonl: BufWriter::new(file),
+            events,
+        })
+    }
+
+    pub fn log_step(&mut self, record: &StepRecord) -> anyhow::Result<()> {
+        let step = record.step as i64;
+        self.events
+            .add_scalar("train/loss", record.loss as f32, step)?;
+        self.events.add_scalar("train/lr", record.lr as f32, step)?;
+        self.events
+            .add_scalar("train/grad_norm", record.grad_norm as f32, step)?;
+        self.events
+            .add_scalar("train/tokens_per_sec", record.tokens_per_sec as f32, step)?;
+        if let Some(mfu) = record.mfu {
+            self.events.add_scalar("train/mfu", mfu as f32, step)?;
+        }
+        let mut line = serde_json::to_value(record)?;
+        line["kind"] = "train".into();
+        self.write_line(&line)
+    }
+
+    pub fn log_eval(&mut self, step: u64, val_loss: f64) -> anyhow::Result<()> {
+        self.events
+            .add_scalar("val/loss", val_loss as f32, step as i64)?;
+        self.write_line(&serde_json::json!({ "kind": "eval", "step": step, "val_loss": val_loss }))
+    }
+
+    fn write_line(&mut self, value: &serde_json::Value) -> anyhow::Result<()> {
+        serde_json::to_writer(&mut self.jsonl, value)?;
+        self.jsonl.write_all(b"\n")?;
+        self.jsonl.flush()?;
+        Ok(())
+    }
+}
