@@ -2,6 +2,8 @@
 
 mod comm;
 mod decorator;
+mod train;
+mod train_profile;
 
 use clap::{Parser, Subcommand};
 
@@ -21,6 +23,13 @@ enum Command {
     Comm(comm::CommArgs),
     /// The cost of the `Parallel<B>` decorator with no override active, against the bare backend.
     Decorator(decorator::DecoratorArgs),
+    /// Training throughput of the tiny GPT on CPU (1 and 2 threads), optionally against PyTorch.
+    Train(train::TrainArgs),
+    /// Where a tiny-GPT training step spends its time, component by component.
+    TrainProfile(train_profile::ProfileArgs),
+    /// One measurement process of `train`.
+    #[command(hide = true)]
+    TrainWorker(train::WorkerArgs),
     /// One rank of a tcp measurement (started by `comm` through the launcher).
     #[command(hide = true)]
     CommWorker(comm::WorkerArgs),
@@ -31,5 +40,8 @@ fn main() -> anyhow::Result<()> {
         Command::Comm(args) => comm::run(args),
         Command::CommWorker(args) => comm::worker(args),
         Command::Decorator(args) => decorator::run(args),
+        Command::Train(args) => train::run(args),
+        Command::TrainWorker(args) => train::worker(args),
+        Command::TrainProfile(args) => train_profile::run(args),
     }
 }

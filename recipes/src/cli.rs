@@ -45,6 +45,9 @@ pub struct TrainArgs {
     /// Continue from the newest complete checkpoint in run.dir.
     #[arg(long)]
     pub resume: bool,
+    /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
+    #[arg(long, value_name = "hf:PATH")]
+    pub init_from: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -195,7 +198,11 @@ fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 }
 
 fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
-    let config = RunConfig::load(args.config.as_deref(), &args.overrides)?;
+    let mut overrides = args.overrides;
+    if let Some(source) = args.init_from {
+        overrides.push(format!("run.init_from={}", toml::Value::String(source)));
+    }
+    let config = RunConfig::load(args.config.as_deref(), &overrides)?;
     set_threads(config.run.threads)?;
     let outcome = train::run::<Autodiff<Flex>>(config, args.resume)?;
     println!(

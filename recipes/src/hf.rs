@@ -75,6 +75,7 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
         .collect();
     let tied = model.head.as_ref().is_some_and(|h| h.lm_head.is_none());
     let mut tensors = BTreeMap::new();
+    let mut unknown = Vec::new();
     for (key, view) in file.tensors() {
         let hf = key.strip_prefix(PREFIX).unwrap_or(&key);
         if hf.ends_with(".attn.bias")
@@ -84,10 +85,8 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
             continue;
         }
         let Some(ours) = ours_by_hf.get(hf) else {
-            bail!(
-                "{}: tensor {key} has no counterpart in this GPT",
-                path.display()
-            );
+            unknown.push(key);
+            continue;
         };
         let dtype = match view.dtype() {
             safetensors::Dtype::F32 => DType::F32,
@@ -106,6 +105,14 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
             data
         };
         tensors.insert(ours.clone(), data);
+    }
+    if !unknown.is_empty() {
+        unknown.sort();
+        bail!(
+            "{}: tensors {} have no counterpart in this GPT (do the model sizes match the file's?)",
+            path.display(),
+            unknown.join(", ")
+        );
     }
     let first = model.first_block;
     Ok(load_params(

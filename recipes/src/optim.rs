@@ -251,3 +251,83 @@ pub fn scale_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     module.visit(&mut Scale { grads, factor });
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::LinearConfig;
+    use burn::tensor::TensorData;
+
+    use super::*;
+
+    type B = Autodiff<Flex>;
+
+    /// `L = Σ(xW + b)` for `x = [[1, 2], [3, 4]]` has `∂L/∂W = [[4, 4, 4], [6, 6, 6]]` (column
+    /// sums of x, per output) and `∂L/∂b = [2, 2, 2]`, so the global norm is √(3·16 + 3·36 + 3·4)
+    /// = √168, and clipping to 1 scales both by 1/(√168 + 10⁻⁶).
+    #[test]
+    fn global_clipping_matches_the_hand_computation() {
+        let device = Default::default();
+        let linear = LinearConfig::new(2, 3).init::<B>(&device);
+        let x = Tensor::<B, 2>::from_data(TensorData::from([[1.0f32, 2.0], [3.0, 4.0]]), &device);
+        let grads = linear.forward(x).sum().backward();
+        let mut grads = GradientsParams::from_grads(grads, &linear);
+        let norm = clip_global_norm(&linear, &mut grads, 1.0);
+        assert!((norm - 168f64.sqrt()).abs() < 1e-5, "norm {norm}");
+        let scale = (1.0 / (168f64.sqrt() + 1e-6)) as f32;
+        let weight = grads.get::<Flex, 2>(linear.weight.id).unwrap().into_data();
+        let bias = grads
+            .get::<Flex, 1>(linear.bias.as_ref().unwrap().id)
+            .unwrap()
+            .into_data();
+        weight.assert_approx_eq::<f32>(
+            &TensorData::from([[4.0 * scale; 3], [6.0 * scale; 3]]),
+            burn::tensor::Tolerance::absolute(1e-6),
+        );
+        bias.assert_approx_eq::<f32>(
+            &TensorData::from([2.0 * scale; 3]),
+            burn::tensor::Tolerance::absolute(1e-6),
+        );
+        let clipped = grad_sum_of_squares(&linear, &grads).sqrt();
+        assert!(
+            (clipped - 1.0).abs() < 1e-5,
+            "norm after clipping {clipped}"
+        );
+    }
+
+    #[test]
+    fn norms_below_the_bound_are_left_alone() {
+        let device = Default::default();
+        let linear = LinearConfig::new(2, 3).init::<B>(&device);
+        let x = Tensor::<B, 2>::from_data(TensorData::from([[1.0f32, 2.0], [3.0, 4.0]]), &device);
+        let mut grads = GradientsParams::from_grads(linear.forward(x).sum().backward(), &linear);
+        let norm = clip_global_norm(&linear, &mut grads, 100.0);
+        assert!((norm - 168f64.sqrt()).abs() < 1e-5);
+        let bias = grads
+            .get::<Flex, 1>(linear.bias.as_ref().unwrap().id)
+            .unwrap()
+            .into_data();
+        assert_eq!(bias, TensorData::from([2.0f32; 3]));
+    }
+
+    #[test]
+    fn schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() {
+        let schedule = WarmupCosine {
+            lr: 1.0,
+            min_lr: 0.1,
+            warmup: 4,
+            max_steps: 14,
+            next_step: 0,
+        };
+        assert_eq!(schedule.at(0), 0.25);
+        assert_eq!(schedule.at(3), 1.0);
+        assert_eq!(schedule.at(4), 1.0);
+        assert!(
+            (schedule.at(9) - 0.55).abs() < 1e-12,
+            "half way: {}",
+            schedule.at(9)
+        );
+        assert!((schedule.at(14) - 0.1).abs() < 1e-12);
+        assert!((schedule.at(100) - 0.1).abs() < 1e-12);
+    }
+}

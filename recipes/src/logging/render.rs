@@ -14,6 +14,8 @@ use burn::train::renderer::{
 #[derive(Debug)]
 pub struct LogRenderer {
     every: usize,
+    /// Printed after the metrics: "MFU n/a" when the device's peak is unknown.
+    suffix: &'static str,
     names: BTreeMap<String, String>,
     order: Vec<MetricId>,
     train: BTreeMap<String, String>,
@@ -21,9 +23,11 @@ pub struct LogRenderer {
 }
 
 impl LogRenderer {
-    pub fn new(every: usize) -> Self {
+    /// `mfu_known`: whether an MFU metric is registered; without one the line says "MFU n/a".
+    pub fn new(every: usize, mfu_known: bool) -> Self {
         Self {
             every: every.max(1),
+            suffix: if mfu_known { "" } else { " | MFU n/a" },
             names: BTreeMap::new(),
             order: Vec::new(),
             train: BTreeMap::new(),
@@ -44,10 +48,21 @@ impl LogRenderer {
         values.insert(key, text);
     }
 
-    /// `name value` for every registered metric that has a value, in registration order.
+    /// `name value` for every registered metric that has a value: the recipe's metrics in
+    /// [`ORDER`], then any others in registration order.
     fn line(&self, values: &BTreeMap<String, String>) -> String {
-        self.order
-            .iter()
+        let rank = |id: &&MetricId| {
+            let name = self
+                .names
+                .get(&id_key(id))
+                .map(String::as_str)
+                .unwrap_or("");
+            ORDER.iter().position(|n| *n == name).unwrap_or(ORDER.len())
+        };
+        let mut order: Vec<&MetricId> = self.order.iter().collect();
+        order.sort_by_key(rank);
+        order
+            .into_iter()
             .filter_map(|id| {
                 let key = id_key(id);
                 Some(format!("{} {}", self.names.get(&key)?, values.get(&key)?))
@@ -56,6 +71,9 @@ impl LogRenderer {
             .join(" | ")
     }
 }
+
+/// Where the recipe's metrics appear in a line.
+const ORDER: [&str; 5] = ["Loss", "Learning Rate", "Grad norm", "Throughput", "MFU"];
 
 /// Four significant digits, in scientific notation when that is shorter to read.
 fn format_value(value: f64) -> String {
@@ -85,11 +103,11 @@ impl MetricsRendererTraining for LogRenderer {
         let (Some(step), Some(progress)) = (item.iteration, item.progress) else {
             return;
         };
-        if step % self.every == 0 || step == progress.items_total {
+        if step % self.every == 0 || step + 1 == progress.items_total {
+            let line = self.line(&self.train);
             println!(
-                "step {step}/{} | {}",
-                progress.items_total,
-                self.line(&self.train)
+                "step {step}/{} | {line}{}",
+                progress.items_total, self.suffix
             );
         }
     }

@@ -10,7 +10,7 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
 };
-use burn::tensor::activation::{gelu_approximate, log_softmax, softmax};
+use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
 
@@ -78,10 +78,9 @@ pub struct Gpt<B: Backend> {
 }
 
 /// A linear layer initialised as GPT-2 does: weights N(0, std²), biases zero. Every linear layer
-/// of the model is built here; `path` is its parameter path (`blocks.3.attn.c_attn`), which is
-/// what a tensor-parallel plan will key its choice of sharded layer on.
+/// of the model is built here, the one place a tensor-parallel plan (keyed by parameter path,
+/// `blocks.3.attn.c_attn`) will substitute sharded layers.
 fn linear<B: Backend>(
-    _path: &str,
     [d_in, d_out]: [usize; 2],
     bias: bool,
     std: f64,
@@ -107,38 +106,25 @@ fn dropout(config: &GptConfig) -> Dropout {
 }
 
 impl<B: Backend> Block<B> {
-    /// Block `index` (global) of a model with `config`. Residual projections get std
+    /// A block of a model with `config`. Residual projections get std
     /// 0.02/√(2·n_layer): each block adds two residual branches, so the residual stream's variance
     /// stays independent of depth.
-    fn new(index: usize, config: &GptConfig, device: &B::Device) -> Self {
+    fn new(config: &GptConfig, device: &B::Device) -> Self {
         let d = config.d_model;
         let resid_std = INIT_STD / ((2 * config.n_layer) as f64).sqrt();
-        let path = |name: &str| format!("blocks.{index}.{name}");
         Self {
             ln_1: layer_norm(config, device),
             attn: CausalSelfAttention {
-                c_attn: linear(
-                    &path("attn.c_attn"),
-                    [d, 3 * d],
-                    config.bias,
-                    INIT_STD,
-                    device,
-                ),
-                c_proj: linear(&path("attn.c_proj"), [d, d], config.bias, resid_std, device),
+                c_attn: linear([d, 3 * d], config.bias, INIT_STD, device),
+                c_proj: linear([d, d], config.bias, resid_std, device),
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
                 n_head: config.n_head,
             },
             ln_2: layer_norm(config, device),
             mlp: Mlp {
-                c_fc: linear(&path("mlp.c_fc"), [d, 4 * d], config.bias, INIT_STD, device),
-                c_proj: linear(
-                    &path("mlp.c_proj"),
-                    [4 * d, d],
-                    config.bias,
-                    resid_std,
-                    device,
-                ),
+                c_fc: linear([d, 4 * d], config.bias, INIT_STD, device),
+                c_proj: linear([4 * d, d], config.bias, resid_std, device),
                 dropout: dropout(config),
             },
         }
@@ -190,9 +176,22 @@ pub fn causal_attention<B: Backend>(
 
 impl<B: Backend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = gelu_approximate(self.c_fc.forward(x));
+        let hidden = gelu_tanh(self.c_fc.forward(x));
         self.dropout.forward(self.c_proj.forward(hidden))
     }
+}
+
+/// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, computed as the equal
+/// `x / (1 + exp(−2√(2/π)(x + 0.044715x³)))` (from `½(1 + tanh z) = σ(2z)`), with `x³` as
+/// products. Burn's `gelu_approximate` evaluates the same function through `powf` and `tanh`
+/// (and Burn's generic sigmoid through `exp`, `log1p` and `exp` again); on the CPU backend that
+/// took a quarter of a tiny-model training step, and this form costs one `exp`. For very negative
+/// x, `exp` overflows to +∞ and the quotient is the correct limit −0.
+pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    const MINUS_TWO_SQRT_2_OVER_PI: f64 = -2.0 * 0.797_884_560_802_865_4;
+    let cube = x.clone() * x.clone() * x.clone();
+    let exponent = (x.clone() + cube * 0.044715) * MINUS_TWO_SQRT_2_OVER_PI;
+    x / (exponent.exp() + 1.0)
 }
 
 impl<B: Backend> Gpt<B> {
@@ -213,19 +212,12 @@ impl<B: Backend> Gpt<B> {
             dropout: dropout(config),
         });
         let blocks = (stage.first_block..stage.first_block + stage.n_blocks)
-            .map(|index| Block::new(index, config, device))
+            .map(|_| Block::new(config, device))
             .collect();
         let head = stage.head.then(|| Head {
             ln_f: layer_norm(config, device),
-            lm_head: (!config.tie_embeddings).then(|| {
-                linear(
-                    "lm_head",
-                    [config.d_model, config.vocab_size],
-                    false,
-                    INIT_STD,
-                    device,
-                )
-            }),
+            lm_head: (!config.tie_embeddings)
+                .then(|| linear([config.d_model, config.vocab_size], false, INIT_STD, device)),
         });
         Self {
             embeddings,

@@ -13,6 +13,7 @@ pub mod params;
 
 pub use gpt::{
     Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, causal_attention, cross_entropy_sum,
+    gelu_tanh,
 };
 
 use serde::{Deserialize, Serialize};
@@ -166,5 +167,97 @@ impl StageSpec {
             embedding: true,
             head: true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::module::Module;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Int, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn parameter_counts_match_gpt2() {
+        assert_eq!(Preset::Gpt2.config(50257).parameter_count(), 124_439_808);
+        assert_eq!(
+            Preset::Gpt2Medium.config(50257).parameter_count(),
+            354_823_168
+        );
+        let config = Preset::Tiny.config(65);
+        let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &Default::default());
+        assert_eq!(model.num_params(), config.parameter_count());
+        let untied = GptConfig {
+            tie_embeddings: false,
+            bias: false,
+            ..config
+        };
+        let model = Gpt::<Flex>::new(&untied, StageSpec::whole(&untied), &Default::default());
+        assert_eq!(model.num_params(), untied.parameter_count());
+    }
+
+    #[test]
+    fn stages_name_blocks_by_global_index() {
+        let config = Preset::Tiny.config(65);
+        let stage = StageSpec {
+            first_block: 2,
+            n_blocks: 2,
+            embedding: false,
+            head: true,
+        };
+        let model = Gpt::<Flex>::new(&config, stage, &Default::default());
+        let names: Vec<String> = params::collect_params(&model, model.first_block)
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        assert!(
+            names.contains(&"blocks.2.attn.c_attn.weight".to_string()),
+            "{names:?}"
+        );
+        assert!(
+            names.contains(&"blocks.3.mlp.c_proj.bias".to_string()),
+            "{names:?}"
+        );
+        assert!(names.contains(&"head.ln_f.gamma".to_string()), "{names:?}");
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("blocks.0") || n.starts_with("embeddings"))
+        );
+    }
+
+    /// GPT-2's initialisation gives near-uniform predictions: loss ≈ ln(V).
+    #[test]
+    fn initial_loss_is_about_ln_vocab() {
+        let config = Preset::Tiny.config(65);
+        let device = Default::default();
+        Flex::seed(&device, 3);
+        let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &device);
+        let tokens = Tensor::<Flex, 1, Int>::arange(0..256, &device)
+            .remainder_scalar(65)
+            .reshape([2, 128]);
+        // Targets differ from inputs: with a tied head, a token's own embedding scores high.
+        let targets = tokens.clone().add_scalar(1).remainder_scalar(65);
+        let (loss, count) = cross_entropy_sum(model.forward(tokens), targets);
+        let mean = loss.into_scalar() / count as f32;
+        assert!(
+            (mean - 65f32.ln()).abs() < 0.1,
+            "initial loss {mean}, ln 65 = {}",
+            65f32.ln()
+        );
+    }
+
+    #[test]
+    fn bad_sizes_name_the_numbers() {
+        let config = GptConfig {
+            n_head: 3,
+            ..Preset::Tiny.config(65)
+        };
+        assert_eq!(
+            config.validate().unwrap_err().to_string(),
+            "model.d_model = 128 is not divisible by model.n_head = 3"
+        );
     }
 }

@@ -198,7 +198,10 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         training = training.metric_train_numeric(StepScalar::<Mfu>::default());
     }
     if !std::io::stdout().is_terminal() {
-        training = training.renderer(LogRenderer::new(config.run.log_every as usize));
+        training = training.renderer(LogRenderer::new(
+            config.run.log_every as usize,
+            config.run.peak_flops.is_some(),
+        ));
     }
     println!(
         "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {} train / {} val \

@@ -1,0 +1,94 @@
+"""PyTorch eager reference for `wildfire-benches train`: the same tiny GPT-2 (4 layers, 4 heads,
+d_model 128, context 128, vocab 65, tied head, GELU-tanh, no dropout), AdamW with decay on
+matrices, global-norm clipping at 1.0, batch 16. Prints one JSON line per measurement.
+
+Usage: python3 train_tiny.py --threads N --warmup W --steps S
+"""
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        # Decomposed attention, as the Rust recipe computes it (no fused kernel on either side).
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        y = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, context, d, layers, heads):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    vocab, context, batch = 65, 128, 16
+    model = Gpt(vocab, context, 128, 4, 4)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.99), eps=1e-8, foreach=True,
+    )
+    data = torch.randint(0, vocab, (batch, context + 1))
+    inputs, targets = data[:, :-1], data[:, 1:]
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    median = times[len(times) // 2]
+    print(json.dumps({
+        "system": "pytorch", "version": torch.__version__, "threads": args.threads,
+        "step_ms": 1e3 * median, "tokens_per_sec": batch * context / median,
+    }))
+
+
+if __name__ == "__main__":
+    main()

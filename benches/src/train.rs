@@ -1,0 +1,259 @@
+//! `train`: training throughput of the recipe's tiny GPT on the CPU backend (batch 16, context
+//! 128, vocab 65, AdamW, global clipping), at 1 and 2 threads, with the step split into forward,
+//! backward and optimizer (clipping included). Each thread count runs in its own process (the
+//! thread pool is sized once per process); with `--pytorch`, the PyTorch eager reference
+//! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use burn::backend::{Autodiff, Flex};
+use burn::optim::GradientsParams;
+use burn::optim::Optimizer;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use wildfire_recipes::config::TrainSection;
+use wildfire_recipes::data::SplitMix64;
+use wildfire_recipes::model::{Gpt, Preset, StageSpec, cross_entropy_sum};
+use wildfire_recipes::optim::{MatrixDecayAdamW, clip_global_norm};
+
+type B = Autodiff<Flex>;
+
+const VOCAB: usize = 65;
+const BATCH: usize = 16;
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Print one JSON object per line instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Alternating rounds per thread count.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Timed steps per round (after 3 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Also run the PyTorch eager reference (needs python3 with torch).
+    #[arg(long)]
+    pytorch: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    threads: usize,
+    #[arg(long)]
+    steps: usize,
+}
+
+/// Median per-step times of one process, in milliseconds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Sample {
+    system: String,
+    threads: usize,
+    step_ms: f64,
+    forward_ms: Option<f64>,
+    backward_ms: Option<f64>,
+    optimizer_ms: Option<f64>,
+    tokens_per_sec: f64,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn train_config() -> TrainSection {
+    TrainSection {
+        seed: 0,
+        max_steps: 1000,
+        micro_batch: BATCH,
+        grad_accum: 1,
+        lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 0,
+        weight_decay: 0.1,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        grad_clip: 1.0,
+        eval_every: 0,
+        eval_batches: 0,
+    }
+}
+
+/// Runs `steps` timed steps (after 3 warm-up steps) in this process and prints a [`Sample`].
+pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build_global()?;
+    let device = Default::default();
+    B::seed(&device, 0);
+    let config = Preset::Tiny.config(VOCAB);
+    let mut model = Gpt::<B>::new(&config, StageSpec::whole(&config), &device);
+    let mut optimizer = OptimizerAdaptor::from(MatrixDecayAdamW::new(&train_config()));
+    let mut rng = SplitMix64::new(1);
+    let context = config.context;
+    let tokens: Vec<i64> = (0..BATCH * (context + 1))
+        .map(|_| rng.below(VOCAB as u64) as i64)
+        .collect();
+    let all =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [BATCH, context + 1]), &device);
+    let inputs = all.clone().slice([0..BATCH, 0..context]);
+    let targets = all.slice([0..BATCH, 1..context + 1]);
+    let (mut forward, mut backward, mut optim, mut total) = (vec![], vec![], vec![], vec![]);
+    for step in 0..args.steps + 3 {
+        let start = Instant::now();
+        let (loss, tokens) = cross_entropy_sum(model.forward(inputs.clone()), targets.clone());
+        let loss = loss / tokens as f64;
+        let _ = loss.clone().into_data();
+        let forwarded = Instant::now();
+        let grads = loss.backward();
+        let backwarded = Instant::now();
+        let mut grads = GradientsParams::from_grads(grads, &model);
+        clip_global_norm(&model, &mut grads, 1.0);
+        model = optimizer.step(1e-3, model, grads);
+        let _ = model.blocks[0].attn.c_attn.weight.val().into_data();
+        let done = Instant::now();
+        if step >= 3 {
+            forward.push((forwarded - start).as_secs_f64() * 1e3);
+            backward.push((backwarded - forwarded).as_secs_f64() * 1e3);
+            optim.push((done - backwarded).as_secs_f64() * 1e3);
+            total.push((done - start).as_secs_f64() * 1e3);
+        }
+    }
+    let step_ms = median(&mut total);
+    let sample = Sample {
+        system: "wildfire".into(),
+        threads: args.threads,
+        step_ms,
+        forward_ms: Some(median(&mut forward)),
+        backward_ms: Some(median(&mut backward)),
+        optimizer_ms: Some(median(&mut optim)),
+        tokens_per_sec: (BATCH * context) as f64 / (step_ms / 1e3),
+    };
+    println!("{}", serde_json::to_string(&sample)?);
+    Ok(())
+}
+
+fn last_json_line(output: std::process::Output, what: &str) -> anyhow::Result<Sample> {
+    if !output.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .context("no JSON line in output")?;
+    let mut sample: Sample =
+        serde_json::from_str(line).with_context(|| format!("{what} printed {line}"))?;
+    sample.system = sample.system.split('+').next().unwrap_or("").to_string();
+    Ok(sample)
+}
+
+fn run_wildfire(threads: usize, steps: usize) -> anyhow::Result<Sample> {
+    let exe = std::env::current_exe()?;
+    let output = Command::new(exe)
+        .args([
+            "train-worker",
+            "--threads",
+            &threads.to_string(),
+            "--steps",
+            &steps.to_string(),
+        ])
+        .output()?;
+    last_json_line(output, "wildfire train worker")
+}
+
+fn run_pytorch(threads: usize, steps: usize) -> anyhow::Result<Sample> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/train_tiny.py");
+    let output = Command::new("python3")
+        .arg(&script)
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--steps",
+            &steps.to_string(),
+            "--warmup",
+            "3",
+        ])
+        .output()
+        .context("running python3 (is it installed?)")?;
+    let mut sample = last_json_line(output, "PyTorch reference")?;
+    sample.system = "pytorch".into();
+    Ok(sample)
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let mut samples: Vec<Sample> = Vec::new();
+    for round in 0..args.rounds {
+        for threads in [1, 2] {
+            let sample = run_wildfire(threads, args.steps)?;
+            emit(&sample, round, args.json)?;
+            samples.push(sample);
+            if args.pytorch {
+                let sample = run_pytorch(threads, args.steps)?;
+                emit(&sample, round, args.json)?;
+                samples.push(sample);
+            }
+        }
+    }
+    if !args.json {
+        summarise(&samples, args.pytorch);
+    }
+    Ok(())
+}
+
+fn emit(sample: &Sample, round: usize, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(sample)?);
+    } else {
+        let phase = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
+        println!(
+            "round {round} {:<9} threads {} | step {:7.1} ms | fwd {:>6} | bwd {:>6} | optim {:>6} | {:8.0} tok/s",
+            sample.system,
+            sample.threads,
+            sample.step_ms,
+            phase(sample.forward_ms),
+            phase(sample.backward_ms),
+            phase(sample.optimizer_ms),
+            sample.tokens_per_sec
+        );
+    }
+    Ok(())
+}
+
+fn summarise(samples: &[Sample], pytorch: bool) {
+    for threads in [1, 2] {
+        let mut ours: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.system == "wildfire" && s.threads == threads)
+            .map(|s| s.tokens_per_sec)
+            .collect();
+        let ours = median(&mut ours);
+        if pytorch {
+            let mut theirs: Vec<f64> = samples
+                .iter()
+                .filter(|s| s.system == "pytorch" && s.threads == threads)
+                .map(|s| s.tokens_per_sec)
+                .collect();
+            let theirs = median(&mut theirs);
+            println!(
+                "threads {threads}: wildfire {ours:.0} tok/s, PyTorch {theirs:.0} tok/s, ratio {:.2}",
+                ours / theirs
+            );
+        } else {
+            println!("threads {threads}: wildfire {ours:.0} tok/s");
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! `train-profile`: where a tiny-GPT training step spends its time on the CPU backend. Each
+//! component of the model runs alone, forward and backward, on the shapes of the tiny config
+//! (batch 16, context 128, d 128, 4 heads, vocab 65); times are per call, medians of `iters`,
+//! and the "× per step" column says how often a step runs it.
+
+use std::time::Instant;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::nn::{LayerNorm, LayerNormConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use clap::Args;
+use wildfire_recipes::model::{
+    Gpt, Preset, StageSpec, causal_attention, cross_entropy_sum, gelu_tanh,
+};
+
+type B = Autodiff<Flex>;
+
+#[derive(Debug, Args)]
+pub struct ProfileArgs {
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+}
+
+fn time(iters: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut samples: Vec<f64> = (0..iters)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[iters / 2]
+}
+
+fn input(shape: [usize; 3]) -> Tensor<B, 3> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default()).require_grad()
+}
+
+/// Forward, then backward of `sum(output)`, reading one gradient so the work is done.
+fn fwd_bwd(x: &Tensor<B, 3>, f: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>) {
+    let out = f(x.clone());
+    let grads = out.sum().backward();
+    let _ = x.grad(&grads).map(|g| g.into_data());
+}
+
+pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build_global()?;
+    let device = Default::default();
+    B::seed(&device, 0);
+    let config = Preset::Tiny.config(65);
+    let model = Gpt::<B>::new(&config, StageSpec::whole(&config), &device);
+    let block = &model.blocks[0];
+    let ln: LayerNorm<B> = LayerNormConfig::new(128).init(&device);
+    let x = input([16, 128, 128]);
+    let wide = input([16, 128, 512]);
+    let scores: Tensor<B, 4> =
+        Tensor::random([16, 4, 128, 128], Distribution::Normal(0.0, 1.0), &device).require_grad();
+    let heads: Tensor<B, 4> =
+        Tensor::random([16, 4, 128, 32], Distribution::Normal(0.0, 1.0), &device).require_grad();
+    let layers = config.n_layer as f64;
+    let rows: Vec<(&str, f64, f64, f64)> = vec![
+        (
+            "layer norm",
+            2.0 * layers + 1.0,
+            time(args.iters, || {
+                let _ = ln.forward(x.clone()).into_data();
+            }),
+            time(args.iters, || fwd_bwd(&x, &|x| ln.forward(x))),
+        ),
+        (
+            "c_attn linear 128→384",
+            layers,
+            time(args.iters, || {
+                let _ = block.attn.c_attn.forward(x.clone()).into_data();
+            }),
+            time(args.iters, || {
+                fwd_bwd(&x, &|x| block.attn.c_attn.forward(x))
+            }),
+        ),
+        (
+            "attention core",
+            layers,
+            time(args.iters, || {
+                let _ = attention_core(block, x.clone()).into_data();
+            }),
+            time(args.iters, || fwd_bwd(&x, &|x| attention_core(block, x))),
+        ),
+        (
+            "mlp c_fc + gelu + c_proj",
+            layers,
+            time(args.iters, || {
+                let _ = block.mlp.forward(x.clone()).into_data();
+            }),
+            time(args.iters, || fwd_bwd(&x, &|x| block.mlp.forward(x))),
+        ),
+        (
+            "attn c_proj 128→128",
+            layers,
+            time(args.iters, || {
+                let _ = block.attn.c_proj.forward(x.clone()).into_data();
+            }),
+            time(args.iters, || {
+                fwd_bwd(&x, &|x| block.attn.c_proj.forward(x))
+            }),
+        ),
+        (
+            "  c_fc 128→512",
+            layers,
+            time(args.iters, || {
+                let _ = block.mlp.c_fc.forward(x.clone()).into_data();
+            }),
+            time(args.iters, || fwd_bwd(&x, &|x| block.mlp.c_fc.forward(x))),
+        ),
+        (
+            "  gelu [16,128,512]",
+            layers,
+            time(args.iters, || {
+                let _ = gelu_tanh(wide.clone()).into_data();
+            }),
+            time(args.iters, || fwd_bwd(&wide, &|x| gelu_tanh(x))),
+        ),
+        (
+            "  mlp c_proj 512→128",
+            layers,
+            time(args.iters, || {
+                let _ = block.mlp.c_proj.forward(wide.clone()).into_data();
+            }),
+            time(args.iters, || {
+                fwd_bwd(&wide, &|x| block.mlp.c_proj.forward(x))
+            }),
+        ),
+        (
+            "  softmax [16,4,128,128]",
+            layers,
+            time(args.iters, || {
+                let _ = softmax(scores.clone(), 3).into_data();
+            }),
+            time(args.iters, || fwd_bwd4(&scores, &|x| softmax(x, 3))),
+        ),
+        (
+            "  q·kᵀ [16,4,128,32]",
+            layers,
+            time(args.iters, || {
+                let _ = heads
+                    .clone()
+                    .matmul(heads.clone().swap_dims(2, 3))
+                    .into_data();
+            }),
+            time(args.iters, || {
+                fwd_bwd4(&heads, &|x| x.clone().matmul(x.swap_dims(2, 3)))
+            }),
+        ),
+        (
+            "head + cross-entropy",
+            1.0,
+            time(args.iters, || {
+                let _ = head_loss(&model, x.clone()).into_data();
+            }),
+            time(args.iters, || {
+                let g = head_loss(&model, x.clone()).backward();
+                let _ = x.grad(&g).map(|g| g.into_data());
+            }),
+        ),
+    ];
+    let raw: Tensor<Flex, 3> =
+        Tensor::random([16, 128, 512], Distribution::Normal(0.0, 1.0), &device);
+    let raw2 = raw.clone() * 0.5;
+    for (name, ms) in [
+        (
+            "flex x + y (1M)",
+            time(args.iters, || {
+                let _ = (raw.clone() + raw2.clone()).into_data();
+            }),
+        ),
+        (
+            "flex x * 0.5 (1M)",
+            time(args.iters, || {
+                let _ = (raw.clone() * 0.5).into_data();
+            }),
+        ),
+        (
+            "flex exp (1M)",
+            time(args.iters, || {
+                let _ = raw.clone().exp().into_data();
+            }),
+        ),
+        (
+            "flex sigmoid (1M)",
+            time(args.iters, || {
+                let _ = burn::tensor::activation::sigmoid(raw.clone()).into_data();
+            }),
+        ),
+        (
+            "flex gelu_tanh (1M)",
+            time(args.iters, || {
+                let _ = gelu_tanh(raw.clone()).into_data();
+            }),
+        ),
+    ] {
+        println!("{name:<28} {ms:>10.2} ms");
+    }
+    println!(
+        "{:<28} {:>12} {:>10} {:>10} {:>12}",
+        "component", "× per step", "fwd ms", "fwd+bwd", "step share ms"
+    );
+    let mut total = 0.0;
+    for (name, count, forward, both) in rows {
+        total += count * both;
+        println!(
+            "{name:<28} {count:>12} {forward:>10.2} {both:>10.2} {:>12.1}",
+            count * both
+        );
+    }
+    println!(
+        "{:<28} {:>12} {:>10} {:>10} {:>12.1}",
+        "sum", "", "", "", total
+    );
+    let tokens =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i64; 16 * 128], [16, 128]), &device);
+    let whole = time(args.iters, || {
+        let (loss, _) = cross_entropy_sum(model.forward(tokens.clone()), tokens.clone());
+        let _ = model
+            .embeddings
+            .as_ref()
+            .map(|e| e.wte.weight.grad(&loss.backward()));
+    });
+    println!(
+        "{:<28} {:>12} {:>10} {whole:>10.2}",
+        "whole model fwd+bwd", 1, ""
+    );
+    let _ = model.devices();
+    Ok(())
+}
+
+fn fwd_bwd4(x: &Tensor<B, 4>, f: &dyn Fn(Tensor<B, 4>) -> Tensor<B, 4>) {
+    let out = f(x.clone());
+    let grads = out.sum().backward();
+    let _ = x.grad(&grads).map(|g| g.into_data());
+}
+
+fn attention_core(block: &wildfire_recipes::model::Block<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [batch, seq, d] = x.dims();
+    let heads = 4;
+    let split = |t: Tensor<B, 3>| t.reshape([batch, seq, heads, d / heads]).swap_dims(1, 2);
+    let y = causal_attention(
+        split(x.clone()),
+        split(x.clone() * 0.5),
+        split(x),
+        &block.attn.attn_dropout,
+    );
+    y.swap_dims(1, 2).reshape([batch, seq, d])
+}
+
+fn head_loss(model: &Gpt<B>, x: Tensor<B, 3>) -> Tensor<B, 1> {
+    let targets = Tensor::<B, 2, Int>::zeros([16, 128], &Default::default());
+    cross_entropy_sum(model.logits(x), targets).0
+}
