@@ -89,6 +89,7 @@ fn train_config() -> TrainSection {
 
 /// Runs `steps` timed steps (after 3 warm-up steps) in this process and prints a [`Sample`].
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    wildfire_recipes::alloc::keep_freed_memory();
     rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads)
         .build_global()?;

@@ -51,6 +51,7 @@ fn fwd_bwd(x: &Tensor<B, 3>, f: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>) {
 }
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
+    wildfire_recipes::alloc::keep_freed_memory();
     rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads)
         .build_global()?;
@@ -214,7 +215,10 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     );
     let mut total = 0.0;
     for (name, count, forward, both) in rows {
-        total += count * both;
+        // Indented rows are parts of the row above them.
+        if !name.starts_with(' ') {
+            total += count * both;
+        }
         println!(
             "{name:<28} {count:>12} {forward:>10.2} {both:>10.2} {:>12.1}",
             count * both
@@ -222,7 +226,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     }
     println!(
         "{:<28} {:>12} {:>10} {:>10} {:>12.1}",
-        "sum", "", "", "", total
+        "sum of components", "", "", "", total
     );
     let tokens =
         Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i64; 16 * 128], [16, 128]), &device);

@@ -1,6 +1,7 @@
 //! wildfire recipes: the GPT model, its data pipeline and training loop (on burn-train),
 //! checkpoints, generation, Hugging Face GPT-2 interoperability, and the `wildfire` command line.
 
+pub mod alloc;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

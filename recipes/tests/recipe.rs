@@ -279,8 +279,8 @@ fn bad_input_is_named() {
     failing(&again, "pass --resume");
     let corpus_set = format!("data.path={CORPUS}");
     let context = "model.context=32";
-    failing(
-        &[
+    let resume_with = |setting: &'static str| {
+        let base = [
             "train",
             "--resume",
             "--set",
@@ -289,9 +289,11 @@ fn bad_input_is_named() {
             &corpus_set,
             "--set",
             context,
-            "--set",
-            "model.n_layer=2",
-        ],
+        ];
+        [&base[..], &["--set", setting]].concat()
+    };
+    failing(
+        &resume_with("model.n_layer=2"),
         "model.n_layer is 4 in the checkpoint but 2 in the given config",
     );
 
@@ -305,21 +307,7 @@ fn bad_input_is_named() {
         &["generate", "--checkpoint", dir.to_str().unwrap()],
         shard.to_str().unwrap(),
     );
-    failing(
-        &[
-            "train",
-            "--resume",
-            "--set",
-            &dir_set,
-            "--set",
-            &corpus_set,
-            "--set",
-            context,
-            "--set",
-            "train.max_steps=2",
-        ],
-        shard.to_str().unwrap(),
-    );
+    failing(&resume_with("train.max_steps=2"), shard.to_str().unwrap());
 }
 
 /// A random GPT-2 file in Hugging Face's layout (`transformer.` prefix or not, Conv1D weights,

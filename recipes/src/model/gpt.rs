@@ -168,7 +168,8 @@ pub fn causal_attention<B: Backend>(
     dropout: &Dropout,
 ) -> Tensor<B, 4> {
     let [_, _, seq, d_head] = q.dims();
-    let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d_head as f64).sqrt());
+    // Scaling Q (T·d_head entries per head) rather than the scores (T·T) is the same product.
+    let scores = (q * (1.0 / (d_head as f64).sqrt())).matmul(k.swap_dims(2, 3));
     let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
     let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
     dropout.forward(softmax(scores, 3)).matmul(v)
