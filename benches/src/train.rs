@@ -33,11 +33,11 @@ pub struct TrainArgs {
     #[arg(long)]
     json: bool,
     /// Alternating rounds per thread count.
-    #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    rounds: u16,
     /// Timed steps per round (after 3 warm-up steps).
-    #[arg(long, default_value_t = 20)]
-    steps: usize,
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..))]
+    steps: u16,
     /// Also run the PyTorch eager reference (needs python3 with torch).
     #[arg(long)]
     pytorch: bool,
@@ -45,10 +45,10 @@ pub struct TrainArgs {
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
-    #[arg(long)]
-    threads: usize,
-    #[arg(long)]
-    steps: usize,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: u16,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    steps: u16,
 }
 
 /// Median per-step times of one process, in milliseconds.
@@ -91,7 +91,7 @@ fn train_config() -> TrainSection {
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     wildfire_recipes::alloc::keep_freed_memory();
     rayon::ThreadPoolBuilder::new()
-        .num_threads(args.threads)
+        .num_threads(args.threads.into())
         .build_global()?;
     let device = Default::default();
     B::seed(&device, 0);
@@ -108,7 +108,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let inputs = all.clone().slice([0..BATCH, 0..context]);
     let targets = all.slice([0..BATCH, 1..context + 1]);
     let (mut forward, mut backward, mut optim, mut total) = (vec![], vec![], vec![], vec![]);
-    for step in 0..args.steps + 3 {
+    for step in 0..usize::from(args.steps) + 3 {
         let start = Instant::now();
         let (loss, tokens) = cross_entropy_sum(model.forward(inputs.clone()), targets.clone());
         let loss = loss / tokens as f64;
@@ -131,7 +131,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let step_ms = median(&mut total);
     let sample = Sample {
         system: "wildfire".into(),
-        threads: args.threads,
+        threads: args.threads.into(),
         step_ms,
         forward_ms: Some(median(&mut forward)),
         backward_ms: Some(median(&mut backward)),
@@ -199,11 +199,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut samples: Vec<Sample> = Vec::new();
     for round in 0..args.rounds {
         for threads in [1, 2] {
-            let sample = run_wildfire(threads, args.steps)?;
+            let sample = run_wildfire(threads, args.steps.into())?;
             emit(&sample, round, args.json)?;
             samples.push(sample);
             if args.pytorch {
-                let sample = run_pytorch(threads, args.steps)?;
+                let sample = run_pytorch(threads, args.steps.into())?;
                 emit(&sample, round, args.json)?;
                 samples.push(sample);
             }
@@ -215,7 +215,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn emit(sample: &Sample, round: usize, json: bool) -> anyhow::Result<()> {
+fn emit(sample: &Sample, round: u16, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(sample)?);
     } else {

@@ -20,10 +20,10 @@ type B = Autodiff<Flex>;
 
 #[derive(Debug, Args)]
 pub struct ProfileArgs {
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
-    #[arg(long, default_value_t = 10)]
-    iters: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: u16,
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
+    iters: u16,
 }
 
 fn time(iters: usize, mut f: impl FnMut()) -> f64 {
@@ -52,8 +52,9 @@ fn fwd_bwd(x: &Tensor<B, 3>, f: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>) {
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     wildfire_recipes::alloc::keep_freed_memory();
+    let iters = usize::from(args.iters);
     rayon::ThreadPoolBuilder::new()
-        .num_threads(args.threads)
+        .num_threads(args.threads.into())
         .build_global()?;
     let device = Default::default();
     B::seed(&device, 0);
@@ -72,101 +73,95 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         (
             "layer norm",
             2.0 * layers + 1.0,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = ln.forward(x.clone()).into_data();
             }),
-            time(args.iters, || fwd_bwd(&x, &|x| ln.forward(x))),
+            time(iters, || fwd_bwd(&x, &|x| ln.forward(x))),
         ),
         (
             "c_attn linear 128→384",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = block.attn.c_attn.forward(x.clone()).into_data();
             }),
-            time(args.iters, || {
-                fwd_bwd(&x, &|x| block.attn.c_attn.forward(x))
-            }),
+            time(iters, || fwd_bwd(&x, &|x| block.attn.c_attn.forward(x))),
         ),
         (
             "attention core",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = attention_core(block, x.clone()).into_data();
             }),
-            time(args.iters, || fwd_bwd(&x, &|x| attention_core(block, x))),
+            time(iters, || fwd_bwd(&x, &|x| attention_core(block, x))),
         ),
         (
             "mlp c_fc + gelu + c_proj",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = block.mlp.forward(x.clone()).into_data();
             }),
-            time(args.iters, || fwd_bwd(&x, &|x| block.mlp.forward(x))),
+            time(iters, || fwd_bwd(&x, &|x| block.mlp.forward(x))),
         ),
         (
             "attn c_proj 128→128",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = block.attn.c_proj.forward(x.clone()).into_data();
             }),
-            time(args.iters, || {
-                fwd_bwd(&x, &|x| block.attn.c_proj.forward(x))
-            }),
+            time(iters, || fwd_bwd(&x, &|x| block.attn.c_proj.forward(x))),
         ),
         (
             "  c_fc 128→512",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = block.mlp.c_fc.forward(x.clone()).into_data();
             }),
-            time(args.iters, || fwd_bwd(&x, &|x| block.mlp.c_fc.forward(x))),
+            time(iters, || fwd_bwd(&x, &|x| block.mlp.c_fc.forward(x))),
         ),
         (
             "  gelu [16,128,512]",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = gelu_tanh(wide.clone()).into_data();
             }),
-            time(args.iters, || fwd_bwd(&wide, &|x| gelu_tanh(x))),
+            time(iters, || fwd_bwd(&wide, &|x| gelu_tanh(x))),
         ),
         (
             "  mlp c_proj 512→128",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = block.mlp.c_proj.forward(wide.clone()).into_data();
             }),
-            time(args.iters, || {
-                fwd_bwd(&wide, &|x| block.mlp.c_proj.forward(x))
-            }),
+            time(iters, || fwd_bwd(&wide, &|x| block.mlp.c_proj.forward(x))),
         ),
         (
             "  softmax [16,4,128,128]",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = softmax(scores.clone(), 3).into_data();
             }),
-            time(args.iters, || fwd_bwd4(&scores, &|x| softmax(x, 3))),
+            time(iters, || fwd_bwd4(&scores, &|x| softmax(x, 3))),
         ),
         (
             "  q·kᵀ [16,4,128,32]",
             layers,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = heads
                     .clone()
                     .matmul(heads.clone().swap_dims(2, 3))
                     .into_data();
             }),
-            time(args.iters, || {
+            time(iters, || {
                 fwd_bwd4(&heads, &|x| x.clone().matmul(x.swap_dims(2, 3)))
             }),
         ),
         (
             "head + cross-entropy",
             1.0,
-            time(args.iters, || {
+            time(iters, || {
                 let _ = head_loss(&model, x.clone()).into_data();
             }),
-            time(args.iters, || {
+            time(iters, || {
                 let g = head_loss(&model, x.clone()).backward();
                 let _ = x.grad(&g).map(|g| g.into_data());
             }),
@@ -178,31 +173,31 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     for (name, ms) in [
         (
             "flex x + y (1M)",
-            time(args.iters, || {
+            time(iters, || {
                 let _ = (raw.clone() + raw2.clone()).into_data();
             }),
         ),
         (
             "flex x * 0.5 (1M)",
-            time(args.iters, || {
+            time(iters, || {
                 let _ = (raw.clone() * 0.5).into_data();
             }),
         ),
         (
             "flex exp (1M)",
-            time(args.iters, || {
+            time(iters, || {
                 let _ = raw.clone().exp().into_data();
             }),
         ),
         (
             "flex sigmoid (1M)",
-            time(args.iters, || {
+            time(iters, || {
                 let _ = burn::tensor::activation::sigmoid(raw.clone()).into_data();
             }),
         ),
         (
             "flex gelu_tanh (1M)",
-            time(args.iters, || {
+            time(iters, || {
                 let _ = gelu_tanh(raw.clone()).into_data();
             }),
         ),
@@ -230,7 +225,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     );
     let tokens =
         Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i64; 16 * 128], [16, 128]), &device);
-    let whole = time(args.iters, || {
+    let whole = time(iters, || {
         let (loss, _) = cross_entropy_sum(model.forward(tokens.clone()), tokens.clone());
         let _ = model
             .embeddings

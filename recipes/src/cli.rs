@@ -42,9 +42,13 @@ pub struct TrainArgs {
     /// Override one key, `section.key=value` (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Continue from the newest complete checkpoint in run.dir.
-    #[arg(long)]
-    pub resume: bool,
+    /// Continue the run in RUN_DIR (default: run.dir) from its newest complete checkpoint, with
+    /// the config saved there; --set still applies, except to keys the continuation depends on.
+    #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
+    pub resume: Option<Option<PathBuf>>,
+    /// The corpus: a text file, or a directory of them (sets data.path).
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
     /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
     #[arg(long, value_name = "hf:PATH")]
     pub init_from: Option<String>,
@@ -199,12 +203,20 @@ fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 
 fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = args.overrides;
+    let quoted = |value: String| toml::Value::String(value).to_string();
     if let Some(source) = args.init_from {
-        overrides.push(format!("run.init_from={}", toml::Value::String(source)));
+        overrides.push(format!("run.init_from={}", quoted(source)));
     }
-    let config = RunConfig::load(args.config.as_deref(), &overrides)?;
+    if let Some(path) = args.data {
+        overrides.push(format!("data.path={}", quoted(path.display().to_string())));
+    }
+    let given = RunConfig::load(args.config.as_deref(), &overrides)?;
+    let config = match &args.resume {
+        None => given,
+        Some(dir) => train::resume_config(dir.as_ref().unwrap_or(&given.run.dir), &overrides)?,
+    };
     set_threads(config.run.threads)?;
-    let outcome = train::run::<Autodiff<Flex>>(config, args.resume)?;
+    let outcome = train::run::<Autodiff<Flex>>(config, args.resume.is_some())?;
     println!(
         "trained to step {} in {}; last loss {:.4}",
         outcome.steps,

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::data::TokenizerKind;
 use crate::model::{GptConfig, Preset};
@@ -110,10 +111,13 @@ impl RunConfig {
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
-        let config: RunConfig = table
-            .try_into()
-            .map_err(|e: toml::de::Error| anyhow::anyhow!("config {source}: {}", e.message()))?;
-        config.train.validate()?;
+        let config: RunConfig = table.try_into().map_err(|e: toml::de::Error| {
+            anyhow::anyhow!(
+                "config {source}: {}",
+                e.to_string().trim().replace('\n', " ")
+            )
+        })?;
+        config.validate()?;
         Ok(config)
     }
 
@@ -161,21 +165,61 @@ fn parse_value(raw: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(raw.to_string()))
 }
 
-impl TrainSection {
+impl RunConfig {
+    /// The checks no single field's type expresses; each error names the keys and values.
     fn validate(&self) -> anyhow::Result<()> {
-        if self.micro_batch == 0 || self.grad_accum == 0 {
+        let train = &self.train;
+        for (key, value) in [
+            ("max_steps", train.max_steps as usize),
+            ("micro_batch", train.micro_batch),
+            ("grad_accum", train.grad_accum),
+        ] {
+            if value == 0 {
+                bail!("train.{key} must be at least 1, got 0");
+            }
+        }
+        if !(train.lr > 0.0 && train.lr.is_finite()) {
+            bail!("train.lr = {} must be a positive number", train.lr);
+        }
+        if !(0.0..=train.lr).contains(&train.min_lr) {
             bail!(
-                "train.micro_batch = {} and train.grad_accum = {} must both be at least 1",
-                self.micro_batch,
-                self.grad_accum
+                "train.min_lr = {} must be between 0 and train.lr = {}",
+                train.min_lr,
+                train.lr
             );
         }
-        if self.min_lr > self.lr {
+        for (key, value) in [("beta1", train.beta1), ("beta2", train.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                bail!("train.{key} = {value} is outside [0, 1)");
+            }
+        }
+        for (key, value) in [
+            ("eps", train.eps),
+            ("weight_decay", train.weight_decay),
+            ("grad_clip", train.grad_clip),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                bail!("train.{key} = {value} must be a finite number ≥ 0");
+            }
+        }
+        if train.eval_every > 0 && train.eval_batches == 0 {
             bail!(
-                "train.min_lr = {} is above train.lr = {}",
-                self.min_lr,
-                self.lr
+                "train.eval_every = {} needs train.eval_batches ≥ 1, got 0",
+                train.eval_every
             );
+        }
+        if train.eval_every > 0 && self.data.val_fraction == 0.0 {
+            bail!(
+                "train.eval_every = {} needs held-out data, but data.val_fraction = 0 \
+                 (set train.eval_every = 0 to train without evaluation)",
+                train.eval_every
+            );
+        }
+        if let Some(peak) = self.run.peak_flops.filter(|p| !(*p > 0.0 && p.is_finite())) {
+            bail!("run.peak_flops = {peak} must be a positive number of FLOP/s");
+        }
+        if self.run.threads == Some(0) {
+            bail!("run.threads must be at least 1, got 0");
         }
         Ok(())
     }
@@ -213,6 +257,57 @@ impl ModelSection {
         };
         config.validate()?;
         Ok(config)
+    }
+}
+
+/// Keys a resumed run keeps from its checkpoint: they decide the model, the data stream and the
+/// RNG, so changing one would break the bitwise continuation. Other keys (`train.max_steps`,
+/// `checkpoint.*`, `run.*`, the schedule) may change on resume.
+/// (The model is compared after resolving its preset, by [`check_same_model`].)
+const LOCKED_ON_RESUME: [&str; 4] = [
+    "data",
+    "train.seed",
+    "train.micro_batch",
+    "train.grad_accum",
+];
+
+impl RunConfig {
+    /// The config of a resumed run: the one saved in its checkpoint, with this invocation's
+    /// `--set` overrides applied on top. Overrides of [`LOCKED_ON_RESUME`] keys are refused,
+    /// naming the key and both values.
+    pub fn for_resume(saved: &RunConfig, overrides: &[String]) -> anyhow::Result<Self> {
+        let text = toml::to_string(saved)?;
+        let resumed = Self::parse(&text, "saved in the checkpoint", overrides)?;
+        let (before, after) = (
+            serde_json::to_value(saved)?,
+            serde_json::to_value(&resumed)?,
+        );
+        for locked in LOCKED_ON_RESUME {
+            let pointer = format!("/{}", locked.replace('.', "/"));
+            let null = Value::Null;
+            let was = before.pointer(&pointer).unwrap_or(&null);
+            let now = after.pointer(&pointer).unwrap_or(&null);
+            if let Some((key, was, now)) = first_difference(locked, was, now) {
+                bail!(
+                    "cannot resume with {key} changed: it is {was} in the checkpoint but {now} on \
+                     the command line (the model, the data order and the RNG depend on it)"
+                );
+            }
+        }
+        Ok(resumed)
+    }
+}
+
+/// The first dotted key below `path` where `a` and `b` differ, with both values.
+fn first_difference(path: &str, a: &Value, b: &Value) -> Option<(String, Value, Value)> {
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => a.keys().chain(b.keys()).find_map(|key| {
+            let null = Value::Null;
+            let (x, y) = (a.get(key).unwrap_or(&null), b.get(key).unwrap_or(&null));
+            first_difference(&format!("{path}.{key}"), x, y)
+        }),
+        _ if a != b => Some((path.to_string(), a.clone(), b.clone())),
+        _ => None,
     }
 }
 
@@ -273,6 +368,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("section.key=value"), "{err}");
+    }
+
+    #[test]
+    fn resume_keeps_the_saved_config_and_refuses_locked_changes() {
+        let saved = RunConfig::parse(DEFAULT_CONFIG, "default", &["train.seed=5".into()]).unwrap();
+        let resumed = RunConfig::for_resume(&saved, &["train.max_steps=9".into()]).unwrap();
+        assert_eq!((resumed.train.seed, resumed.train.max_steps), (5, 9));
+        let err = RunConfig::for_resume(&saved, &["train.seed=6".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.seed changed: it is 5 in the checkpoint but 6"),
+            "{err}"
+        );
+        let err = RunConfig::for_resume(&saved, &["data.tokenizer=gpt2".into()]).unwrap_err();
+        assert!(err.to_string().contains("data.tokenizer changed"), "{err}");
     }
 
     #[test]

@@ -46,8 +46,11 @@ pub fn generate<B: Backend>(
     sampling: &Sampling,
     context: usize,
 ) -> anyhow::Result<String> {
-    if sampling.temperature < 0.0 {
-        bail!("--temperature {} is negative", sampling.temperature);
+    if !(sampling.temperature >= 0.0 && sampling.temperature.is_finite()) {
+        bail!(
+            "--temperature {} must be a finite number ≥ 0",
+            sampling.temperature
+        );
     }
     if sampling.top_k == Some(0) {
         bail!("--top-k 0 leaves no token to sample");
@@ -70,7 +73,9 @@ pub fn generate<B: Backend>(
             .convert::<f32>()
             .to_vec()
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        tokens.push(pick(&logits, sampling, &mut rng) as u32);
+        // A padded vocabulary has ids the tokenizer cannot decode: never sample them.
+        let known = &logits[..tokenizer.vocab_size().min(logits.len())];
+        tokens.push(pick(known, sampling, &mut rng) as u32);
     }
     Ok(tokenizer.decode(&tokens)?)
 }

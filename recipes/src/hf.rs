@@ -69,10 +69,19 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let file = SafeTensors::deserialize(&bytes)
         .with_context(|| format!("{} is not a safetensors file", path.display()))?;
-    let ours_by_hf: HashMap<String, String> = collect_params(&model, model.first_block)
-        .into_iter()
-        .map(|(name, _, _)| (hf_name(&name), name))
-        .collect();
+    // Hugging Face name → (our name, the shape the file must have).
+    let ours_by_hf: HashMap<String, (String, Vec<usize>)> =
+        collect_params(&model, model.first_block)
+            .into_iter()
+            .map(|(name, _, data)| {
+                let hf = hf_name(&name);
+                let mut shape = data.shape.to_vec();
+                if is_lm_head(&hf) {
+                    shape.reverse();
+                }
+                (hf, (name, shape))
+            })
+            .collect();
     let tied = model.head.as_ref().is_some_and(|h| h.lm_head.is_none());
     let mut tensors = BTreeMap::new();
     let mut unknown = Vec::new();
@@ -84,7 +93,7 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
         {
             continue;
         }
-        let Some(ours) = ours_by_hf.get(hf) else {
+        let Some((ours, shape)) = ours_by_hf.get(hf) else {
             unknown.push(key);
             continue;
         };
@@ -97,6 +106,14 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
                 path.display()
             ),
         };
+        if view.shape() != shape.as_slice() {
+            bail!(
+                "{}: tensor {key} has shape {:?}, this GPT expects {shape:?} (do the model sizes \
+                 match the file's?)",
+                path.display(),
+                view.shape()
+            );
+        }
         let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype)
             .convert_dtype(DType::F32);
         let data = if is_lm_head(hf) {

@@ -215,8 +215,7 @@ pub fn grad_sum_of_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Global gradient-norm clipping as `torch.nn.utils.clip_grad_norm_` defines it:
-/// `n = √(Σ_p ‖g_p‖²)`, and when `n > max_norm` every gradient is scaled by
-/// `max_norm / (n + 10⁻⁶)`. Returns `n`, the norm before clipping. `max_norm = 0` only measures.
+/// `n = √(Σ_p ‖g_p‖²)`, and every gradient is scaled by `c = max_norm / (n + 10⁻⁶)` when `c < 1`. Returns `n`, the norm before clipping. `max_norm = 0` only measures.
 ///
 /// Burn's own `GradientClipping::Norm` bounds each tensor's norm separately, which is a different
 /// (and model-size dependent) rule.
@@ -226,8 +225,9 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     max_norm: f64,
 ) -> f64 {
     let norm = grad_sum_of_squares(module, grads).sqrt();
-    if max_norm > 0.0 && norm > max_norm {
-        scale_grads(module, grads, max_norm / (norm + 1e-6));
+    let factor = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && factor < 1.0 {
+        scale_grads(module, grads, factor);
     }
     norm
 }

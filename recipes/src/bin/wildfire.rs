@@ -2,8 +2,14 @@
 
 use clap::Parser;
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     wildfire_recipes::alloc::keep_freed_memory();
-    let code = wildfire_recipes::cli::run(wildfire_recipes::cli::Cli::parse())?;
-    std::process::exit(code)
+    match wildfire_recipes::cli::run(wildfire_recipes::cli::Cli::parse()) {
+        Ok(code) => std::process::exit(code),
+        Err(error) => {
+            // The whole chain of causes, without a backtrace: these are user-facing errors.
+            eprintln!("error: {error:#}");
+            std::process::exit(1)
+        }
+    }
 }

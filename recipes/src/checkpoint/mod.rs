@@ -227,13 +227,12 @@ impl Loaded {
                 let Some(&time) = self.loaded.state.optimizer_steps.get(name) else {
                     return;
                 };
-                let device = param.val().inner().device();
+                let value = param.val().inner();
+                let (device, shape) = (value.device(), value.dims());
                 let mut take = |prefix: &str| {
-                    let key = format!("{prefix}{name}");
-                    self.loaded
-                        .moments
-                        .remove(&key)
-                        .map(|d| Tensor::<B::InnerBackend, D>::from_data(d, &device))
+                    let data = self.loaded.moments.remove(&format!("{prefix}{name}"))?;
+                    (data.shape.as_slice() == shape.as_slice())
+                        .then(|| Tensor::<B::InnerBackend, D>::from_data(data, &device))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(m1), Some(m2)) => {
@@ -246,7 +245,8 @@ impl Loaded {
                     _ => {
                         self.error.get_or_insert_with(|| {
                             anyhow::anyhow!(
-                                "optimizer moments of {name} are missing from the checkpoint"
+                                "optimizer moments of {name} are missing from the checkpoint, \
+                                 or do not have the parameter's shape {shape:?}"
                             )
                         });
                     }

@@ -6,9 +6,18 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
+/// The default config's corpus path, relative to a checkout's root.
+pub const BUNDLED_CORPUS_PATH: &str = "recipes/data/shakespeare.txt";
+/// The bundled corpus, built into the binary so the default recipe runs from any directory.
+const BUNDLED_CORPUS: &str = include_str!("../../data/shakespeare.txt");
+
 /// The text of `path`: the file itself, or the files of a directory (recursively) joined in
-/// path order. Non-UTF-8 files are an error naming the file, never skipped silently.
+/// path order. Non-UTF-8 files are an error naming the file, never skipped silently. The
+/// default corpus path falls back to the copy built into the binary when it is not there.
 pub fn load_text(path: &Path) -> anyhow::Result<String> {
+    if path == Path::new(BUNDLED_CORPUS_PATH) && !path.exists() {
+        return Ok(BUNDLED_CORPUS.to_string());
+    }
     let metadata =
         fs::metadata(path).with_context(|| format!("corpus {} cannot be read", path.display()))?;
     let files = if metadata.is_dir() {
@@ -34,14 +43,17 @@ pub fn load_text(path: &Path) -> anyhow::Result<String> {
 
 fn collect_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     for entry in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
-        let path = entry?.path();
+        let entry = entry?;
+        let path = entry.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name.starts_with('.') {
             continue;
         }
-        if path.is_dir() {
+        // Real directories are entered; symlinks to directories are not (no cycles), symlinks
+        // to files are read.
+        if entry.file_type()?.is_dir() {
             collect_files(&path, files)?;
-        } else {
+        } else if path.is_file() {
             files.push(path);
         }
     }

@@ -4,6 +4,6 @@ mod corpus;
 mod sampler;
 mod tokenizer;
 
-pub use corpus::{Splits, load_text};
+pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};
 pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind};

@@ -21,8 +21,6 @@ pub enum TokenizerError {
     UnknownId { id: u32, size: usize },
     #[error("GPT-2 BPE tables failed to load: {0}")]
     Bpe(String),
-    #[error("decoded GPT-2 tokens are not valid UTF-8: {0}")]
-    Utf8(String),
 }
 
 /// A tokenizer ready to encode and decode.
@@ -122,9 +120,20 @@ impl Tokenizer {
                         })
                 })
                 .collect(),
-            Self::Gpt2(bpe) => bpe
-                .decode(ids.to_vec())
-                .map_err(|e| TokenizerError::Utf8(e.to_string())),
+            // Sampled BPE tokens may split a multi-byte character: decode lossily.
+            Self::Gpt2(bpe) => {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= GPT2_VOCAB) {
+                    return Err(TokenizerError::UnknownId {
+                        id,
+                        size: GPT2_VOCAB,
+                    });
+                }
+                let bytes: Vec<u8> = bpe
+                    ._decode_native_and_split(ids.to_vec())
+                    .flatten()
+                    .collect();
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
         }
     }
 }

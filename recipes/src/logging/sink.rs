@@ -33,10 +33,14 @@ pub struct MetricsSink {
 }
 
 impl MetricsSink {
-    /// Opens the sink in `run_dir` and records `config_toml` as the run's `config` text.
-    /// `metrics.jsonl` is appended to, so a resumed run continues the same file.
+    /// Opens the sink in `run_dir` and records `config_toml` as the run's `config` text. A run
+    /// resumed at `step` continues `metrics.jsonl`, first dropping the records of steps it is
+    /// about to redo (those the interrupted run logged after its last checkpoint).
     pub fn open(run_dir: &Path, config_toml: &str, step: u64) -> anyhow::Result<Self> {
         let path = run_dir.join("metrics.jsonl");
+        if path.exists() {
+            keep_records_before(&path, step)?;
+        }
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -89,4 +93,33 @@ impl MetricsSink {
         self.jsonl.flush()?;
         Ok(())
     }
+}
+
+/// Rewrites the jsonl file at `path` (atomically: a temporary file, then a rename) without the
+/// records that belong to steps `step` and later: training records with `step ≥ step`, and
+/// evaluations of weights after more than `step` updates.
+fn keep_records_before(path: &Path, step: u64) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+            match (record["kind"].as_str(), record["step"].as_u64()) {
+                (Some("train"), Some(s)) => s < step,
+                (Some("eval"), Some(s)) => s <= step,
+                _ => true,
+            }
+        })
+        .collect();
+    let temporary = path.with_extension("jsonl.tmp");
+    let mut contents = kept.join("\n");
+    if !contents.is_empty() {
+        contents.push('\n');
+    }
+    std::fs::write(&temporary, contents)
+        .with_context(|| format!("cannot write {}", temporary.display()))?;
+    std::fs::rename(&temporary, path)
+        .with_context(|| format!("cannot replace {}", path.display()))?;
+    Ok(())
 }

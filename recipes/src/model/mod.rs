@@ -118,7 +118,7 @@ impl GptConfig {
     /// Parameters of the whole model, counting a tied embedding once.
     ///
     /// Per block: LayerNorms 2·2d, QKV d·3d (+3d), output d·d (+d), MLP d·4d (+4d) and 4d·d (+d),
-    /// i.e. 12d² weights and 13d bias/norm entries with biases (4d without). Plus embeddings
+    /// i.e. 12d² weights and 13d bias/norm entries with biases (2d without: the norms' gains). Plus embeddings
     /// V·d + T·d, the final LayerNorm 2d (d without bias) and, untied, the head V·d.
     pub fn parameter_count(&self) -> usize {
         let d = self.d_model;
@@ -136,10 +136,17 @@ impl GptConfig {
     /// Training FLOPs per token at sequence length `seq`: 6N + 12·L·H·d_head·T.
     ///
     /// 6N counts the forward (2 FLOPs per weight per token) and the backward (4) of every matmul
-    /// weight; N excludes the position embedding, which is a lookup, not a matmul. The second term
-    /// is attention's QKᵀ and AV products, forward and backward, which N does not see.
+    /// weight. N excludes the lookups: the position embedding, and the token embedding when an
+    /// untied head has its own matrix (a tied one is the head's matmul). The second term is
+    /// attention's QKᵀ and AV products, forward and backward, which N does not see.
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        let n = (self.parameter_count() - self.context * self.d_model) as f64;
+        let lookups = self.context
+            + if self.tie_embeddings {
+                0
+            } else {
+                self.vocab_size
+            };
+        let n = (self.parameter_count() - lookups * self.d_model) as f64;
         let attention = 12 * self.n_layer * self.n_head * self.head_dim() * seq;
         6.0 * n + attention as f64
     }

@@ -15,7 +15,7 @@ mod batch;
 mod setup;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
-pub use setup::{TrainOutcome, run};
+pub use setup::{TrainOutcome, resume_config, run};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
