@@ -6,7 +6,6 @@
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
@@ -43,11 +42,28 @@ fn input(shape: [usize; 3]) -> Tensor<B, 3> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default()).require_grad()
 }
 
-/// Forward, then backward of `sum(output)`, reading one gradient so the work is done.
-fn fwd_bwd(x: &Tensor<B, 3>, f: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>) {
-    let out = f(x.clone());
-    let grads = out.sum().backward();
-    let _ = x.grad(&grads).map(|g| g.into_data());
+/// Median milliseconds of `f(x)` forward only, and of forward then backward of `sum(f(x))`
+/// (reading x's gradient, so that the work is done).
+fn measure<const D: usize, const E: usize>(
+    iters: usize,
+    x: &Tensor<B, D>,
+    f: impl Fn(Tensor<B, D>) -> Tensor<B, E>,
+) -> (f64, f64) {
+    let forward = time(iters, || {
+        let _ = f(x.clone()).into_data();
+    });
+    let both = time(iters, || {
+        let grads = f(x.clone()).sum().backward();
+        let _ = x.grad(&grads).map(|g| g.into_data());
+    });
+    (forward, both)
+}
+
+/// Median milliseconds of one op on the bare CPU backend.
+fn primitive(iters: usize, f: impl Fn() -> Tensor<Flex, 3>) -> f64 {
+    time(iters, || {
+        let _ = f().into_data();
+    })
 }
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
@@ -69,137 +85,80 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     let heads: Tensor<B, 4> =
         Tensor::random([16, 4, 128, 32], Distribution::Normal(0.0, 1.0), &device).require_grad();
     let layers = config.n_layer as f64;
-    let rows: Vec<(&str, f64, f64, f64)> = vec![
+    let rows: Vec<(&str, f64, (f64, f64))> = vec![
         (
             "layer norm",
             2.0 * layers + 1.0,
-            time(iters, || {
-                let _ = ln.forward(x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| ln.forward(x))),
+            measure(iters, &x, |x| ln.forward(x)),
         ),
         (
             "c_attn linear 128→384",
             layers,
-            time(iters, || {
-                let _ = block.attn.c_attn.forward(x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| block.attn.c_attn.forward(x))),
+            measure(iters, &x, |x| block.attn.c_attn.forward(x)),
         ),
         (
             "attention core",
             layers,
-            time(iters, || {
-                let _ = attention_core(block, x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| attention_core(block, x))),
+            measure(iters, &x, |x| attention_core(block, x)),
         ),
         (
             "mlp c_fc + gelu + c_proj",
             layers,
-            time(iters, || {
-                let _ = block.mlp.forward(x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| block.mlp.forward(x))),
+            measure(iters, &x, |x| block.mlp.forward(x)),
         ),
         (
             "attn c_proj 128→128",
             layers,
-            time(iters, || {
-                let _ = block.attn.c_proj.forward(x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| block.attn.c_proj.forward(x))),
+            measure(iters, &x, |x| block.attn.c_proj.forward(x)),
         ),
         (
             "  c_fc 128→512",
             layers,
-            time(iters, || {
-                let _ = block.mlp.c_fc.forward(x.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&x, &|x| block.mlp.c_fc.forward(x))),
+            measure(iters, &x, |x| block.mlp.c_fc.forward(x)),
         ),
         (
             "  gelu [16,128,512]",
             layers,
-            time(iters, || {
-                let _ = gelu_tanh(wide.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&wide, &|x| gelu_tanh(x))),
+            measure(iters, &wide, gelu_tanh),
         ),
         (
             "  mlp c_proj 512→128",
             layers,
-            time(iters, || {
-                let _ = block.mlp.c_proj.forward(wide.clone()).into_data();
-            }),
-            time(iters, || fwd_bwd(&wide, &|x| block.mlp.c_proj.forward(x))),
+            measure(iters, &wide, |x| block.mlp.c_proj.forward(x)),
         ),
         (
             "  softmax [16,4,128,128]",
             layers,
-            time(iters, || {
-                let _ = softmax(scores.clone(), 3).into_data();
-            }),
-            time(iters, || fwd_bwd4(&scores, &|x| softmax(x, 3))),
+            measure(iters, &scores, |x| softmax(x, 3)),
         ),
         (
             "  q·kᵀ [16,4,128,32]",
             layers,
-            time(iters, || {
-                let _ = heads
-                    .clone()
-                    .matmul(heads.clone().swap_dims(2, 3))
-                    .into_data();
-            }),
-            time(iters, || {
-                fwd_bwd4(&heads, &|x| x.clone().matmul(x.swap_dims(2, 3)))
-            }),
+            measure(iters, &heads, |x| x.clone().matmul(x.swap_dims(2, 3))),
         ),
         (
             "head + cross-entropy",
             1.0,
-            time(iters, || {
-                let _ = head_loss(&model, x.clone()).into_data();
-            }),
-            time(iters, || {
-                let g = head_loss(&model, x.clone()).backward();
-                let _ = x.grad(&g).map(|g| g.into_data());
-            }),
+            measure(iters, &x, |x| head_loss(&model, x)),
         ),
     ];
     let raw: Tensor<Flex, 3> =
         Tensor::random([16, 128, 512], Distribution::Normal(0.0, 1.0), &device);
-    let raw2 = raw.clone() * 0.5;
+    let half = raw.clone() * 0.5;
     for (name, ms) in [
         (
             "flex x + y (1M)",
-            time(iters, || {
-                let _ = (raw.clone() + raw2.clone()).into_data();
-            }),
+            primitive(iters, || raw.clone() + half.clone()),
         ),
-        (
-            "flex x * 0.5 (1M)",
-            time(iters, || {
-                let _ = (raw.clone() * 0.5).into_data();
-            }),
-        ),
-        (
-            "flex exp (1M)",
-            time(iters, || {
-                let _ = raw.clone().exp().into_data();
-            }),
-        ),
+        ("flex x * 0.5 (1M)", primitive(iters, || raw.clone() * 0.5)),
+        ("flex exp (1M)", primitive(iters, || raw.clone().exp())),
         (
             "flex sigmoid (1M)",
-            time(iters, || {
-                let _ = burn::tensor::activation::sigmoid(raw.clone()).into_data();
-            }),
+            primitive(iters, || burn::tensor::activation::sigmoid(raw.clone())),
         ),
         (
             "flex gelu_tanh (1M)",
-            time(iters, || {
-                let _ = gelu_tanh(raw.clone()).into_data();
-            }),
+            primitive(iters, || gelu_tanh(raw.clone())),
         ),
     ] {
         println!("{name:<28} {ms:>10.2} ms");
@@ -209,7 +168,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         "component", "× per step", "fwd ms", "fwd+bwd", "step share ms"
     );
     let mut total = 0.0;
-    for (name, count, forward, both) in rows {
+    for (name, count, (forward, both)) in rows {
         // Indented rows are parts of the row above them.
         if !name.starts_with(' ') {
             total += count * both;
@@ -236,14 +195,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         "{:<28} {:>12} {:>10} {whole:>10.2}",
         "whole model fwd+bwd", 1, ""
     );
-    let _ = model.devices();
     Ok(())
-}
-
-fn fwd_bwd4(x: &Tensor<B, 4>, f: &dyn Fn(Tensor<B, 4>) -> Tensor<B, 4>) {
-    let out = f(x.clone());
-    let grads = out.sum().backward();
-    let _ = x.grad(&grads).map(|g| g.into_data());
 }
 
 fn attention_core(block: &wildfire_recipes::model::Block<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
