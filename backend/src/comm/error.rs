@@ -57,6 +57,10 @@ pub enum CommError {
         detail: String,
     },
 
+    /// Loading NCCL, or an NCCL call that failed.
+    #[error("NCCL: {0}")]
+    Nccl(String),
+
     /// Setting up the job: the store, addresses, launch variables.
     #[error("rendezvous: {0}")]
     Rendezvous(String),

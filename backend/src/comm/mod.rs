@@ -24,6 +24,7 @@ mod group;
 mod init;
 mod layout;
 mod mailbox;
+pub mod nccl;
 pub mod selfcheck;
 mod store;
 mod tensor;

@@ -89,7 +89,7 @@ impl<B: AutodiffBackend> std::fmt::Debug for StepLoop<B> {
 }
 
 impl<B: AutodiffBackend> StepLoop<B> {
-    /// One optimizer step: returns the model's step output and the record to log.
+    /// One optimizer step (all its micro-batches); returns the numbers it logs.
     fn step(
         &self,
         learner: &mut Learner<GptComponents<B>>,
