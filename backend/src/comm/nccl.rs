@@ -60,6 +60,18 @@ pub type RawStream = *mut c_void;
 
 type Status = c_int;
 
+/// `(send, recv, count, datatype, op or root, comm, stream)`: the shape of `ncclAllReduce`,
+/// `ncclReduceScatter` and `ncclBroadcast`.
+pub type CollectiveFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    RawComm,
+    RawStream,
+) -> Status;
+
 /// The NCCL entry points the transport uses, resolved from one loaded library.
 #[derive(Debug)]
 pub struct NcclLibrary {
@@ -72,24 +84,8 @@ pub struct NcclLibrary {
     pub comm_get_async_error: unsafe extern "C" fn(RawComm, *mut Status) -> Status,
     pub get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
     pub get_version: unsafe extern "C" fn(*mut c_int) -> Status,
-    pub all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> Status,
-    pub reduce_scatter: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> Status,
+    pub all_reduce: CollectiveFn,
+    pub reduce_scatter: CollectiveFn,
     pub all_gather: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -98,15 +94,8 @@ pub struct NcclLibrary {
         RawComm,
         RawStream,
     ) -> Status,
-    pub broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        RawStream,
-    ) -> Status,
+    /// The fifth argument is the root rank.
+    pub broadcast: CollectiveFn,
     pub send:
         unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> Status,
     pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> Status,
