@@ -25,6 +25,8 @@ mod init;
 mod layout;
 mod mailbox;
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod nccl_device;
 pub mod selfcheck;
 mod store;
 mod tensor;
