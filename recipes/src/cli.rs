@@ -286,7 +286,10 @@ fn run_launch(args: LaunchArgs) -> anyhow::Result<i32> {
 fn run_comm_check(args: CommCheckArgs) -> anyhow::Result<i32> {
     match args.device.as_str() {
         "cpu" => {}
-        "cuda" if cfg!(feature = "cuda") => {}
+        // Without a driver, a clear error here rather than a panic inside the CUDA runtime.
+        #[cfg(feature = "cuda")]
+        "cuda" => wildfire_backend::comm::nccl_device::check_cuda_driver()?,
+        #[cfg(not(feature = "cuda"))]
         "cuda" => bail!("--device cuda needs a build with `--features cuda`"),
         other => bail!("--device {other:?}: expected cpu or cuda"),
     }

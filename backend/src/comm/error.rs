@@ -57,6 +57,10 @@ pub enum CommError {
         detail: String,
     },
 
+    /// No usable CUDA driver or device, or a CUDA driver call that failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
+
     /// Loading NCCL, or an NCCL call that failed.
     #[error("NCCL: {0}")]
     Nccl(String),

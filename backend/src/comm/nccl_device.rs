@@ -25,12 +25,12 @@ use super::store::StoreClient;
 pub fn check_cuda_driver() -> Result<(), CommError> {
     // SAFETY: only tries to open the driver library; no CUDA call is made.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(CommError::Nccl(
+        return Err(CommError::Cuda(
             "no NVIDIA driver: libcuda.so.1 could not be loaded (is this a GPU machine?)".into(),
         ));
     }
     cudarc::driver::result::init()
-        .map_err(|e| CommError::Nccl(format!("the CUDA driver failed to initialise: {e:?}")))
+        .map_err(|e| CommError::Cuda(format!("the driver failed to initialise: {e:?}")))
 }
 
 /// One rank's NCCL communicator for a group, on one device.
@@ -50,7 +50,7 @@ pub struct NcclComm {
 unsafe impl Send for NcclComm {}
 
 fn driver_error(what: &str, error: cudarc::driver::DriverError) -> CommError {
-    CommError::Nccl(format!("{what}: CUDA error {error:?}"))
+    CommError::Cuda(format!("{what}: {error:?}"))
 }
 
 impl NcclComm {
