@@ -49,7 +49,7 @@ impl<B: Backend> TokenBatch<B> {
     }
 }
 
-/// Summed loss of a batch as a host number, and the token count.
+/// The summed token loss of a batch (a one-element tensor) and its token count.
 fn batch_loss<B: Backend>(model: &Gpt<B>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, usize) {
     cross_entropy_sum(model.forward(batch.inputs.clone()), batch.targets.clone())
 }
