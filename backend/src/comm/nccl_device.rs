@@ -55,7 +55,8 @@ fn driver_error(what: &str, error: cudarc::driver::DriverError) -> CommError {
 
 impl NcclComm {
     /// Joins `group`'s communicator as `rank` of `size` on device `ordinal`. Rank 0 creates
-    /// the unique id; every rank then enters `ncclCommInitRank`, which returns when all have.
+    /// the unique id; the ranks meet at a store barrier (within the store's deadline), then
+    /// enter `ncclCommInitRank`, which returns when all have.
     pub fn init(
         store: &StoreClient,
         group: &str,
@@ -74,6 +75,9 @@ impl NcclComm {
             .new_stream()
             .map_err(|e| driver_error("creating the NCCL stream", e))?;
         let id = share_unique_id(store, group, rank, timeout, || library.unique_id())?;
+        // ncclCommInitRank blocks until every rank has called it, with no deadline of its own:
+        // meet in the store first, so a rank that never comes is a timeout naming the count.
+        store.barrier(&format!("wildfire/nccl/{group}/init"), size)?;
         let mut comm: RawComm = std::ptr::null_mut();
         // SAFETY: comm receives the new communicator; id is the group's shared unique id.
         let status =
