@@ -98,12 +98,14 @@ impl NcclComm {
         self.stream.cu_stream() as RawStream
     }
 
-    /// Enqueues one NCCL call (which returns its status) and waits for it on the device.
+    /// Enqueues one NCCL call (which returns its status) on a live communicator and waits for
+    /// it on the device.
     fn run(
         &mut self,
         call: &str,
         enqueue: impl FnOnce(RawComm, RawStream) -> c_int,
     ) -> Result<(), CommError> {
+        self.live()?;
         self.context
             .bind_to_thread()
             .map_err(|e| driver_error("binding the CUDA context", e))?;
@@ -170,7 +172,6 @@ impl NcclComm {
         dtype: c_int,
         op: c_int,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.all_reduce;
         // SAFETY: the caller guarantees the buffers; comm and stream are live.
         self.run("ncclAllReduce", |comm, stream| unsafe {
@@ -197,7 +198,6 @@ impl NcclComm {
         count: usize,
         dtype: c_int,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.all_gather;
         // SAFETY: as above.
         self.run("ncclAllGather", |comm, stream| unsafe {
@@ -224,7 +224,6 @@ impl NcclComm {
         dtype: c_int,
         op: c_int,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.reduce_scatter;
         // SAFETY: as above.
         self.run("ncclReduceScatter", |comm, stream| unsafe {
@@ -252,7 +251,6 @@ impl NcclComm {
         dtype: c_int,
         root: usize,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.broadcast;
         // SAFETY: as above.
         self.run("ncclBroadcast", |comm, stream| unsafe {
@@ -279,7 +277,6 @@ impl NcclComm {
         dtype: c_int,
         peer: usize,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.send;
         // SAFETY: as above.
         self.run("ncclSend", |comm, stream| unsafe {
@@ -305,7 +302,6 @@ impl NcclComm {
         dtype: c_int,
         peer: usize,
     ) -> Result<(), CommError> {
-        self.live()?;
         let f = self.library.recv;
         // SAFETY: as above.
         self.run("ncclRecv", |comm, stream| unsafe {
