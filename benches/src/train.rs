@@ -234,21 +234,21 @@ fn emit(sample: &Sample, round: u16, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Median tokens/s of `system`'s runs at `threads` threads, over the rounds.
+fn median_tokens_per_sec(samples: &[Sample], system: &str, threads: usize) -> f64 {
+    let mut values: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.system == system && s.threads == threads)
+        .map(|s| s.tokens_per_sec)
+        .collect();
+    median(&mut values)
+}
+
 fn summarise(samples: &[Sample], pytorch: bool) {
     for threads in [1, 2] {
-        let mut ours: Vec<f64> = samples
-            .iter()
-            .filter(|s| s.system == "wildfire" && s.threads == threads)
-            .map(|s| s.tokens_per_sec)
-            .collect();
-        let ours = median(&mut ours);
+        let ours = median_tokens_per_sec(samples, "wildfire", threads);
         if pytorch {
-            let mut theirs: Vec<f64> = samples
-                .iter()
-                .filter(|s| s.system == "pytorch" && s.threads == threads)
-                .map(|s| s.tokens_per_sec)
-                .collect();
-            let theirs = median(&mut theirs);
+            let theirs = median_tokens_per_sec(samples, "pytorch", threads);
             println!(
                 "threads {threads}: wildfire {ours:.0} tok/s, PyTorch {theirs:.0} tok/s, ratio {:.2}",
                 ours / theirs
