@@ -37,7 +37,9 @@ if [ "$gpus" -gt 1 ]; then
 else
     note "SKIP  multi-GPU comm-check: only 1 GPU present"
 fi
-note "SKIP  NCCL transport: not implemented yet; collectives above copy device buffers through host memory"
+if [ "$gpus" -lt 2 ]; then
+    note "SKIP  NCCL between ranks: needs 2+ GPUs; only the one-rank NCCL probe ran"
+fi
 
 echo
 echo "gpu-check summary:"

@@ -333,11 +333,17 @@ fn check_one(world: &ProcessGroup, device: &str, large: bool) -> Result<(), Stri
         "cpu" => selfcheck::run::<Flex>(world, &Default::default(), large)?,
         #[cfg(feature = "cuda")]
         "cuda" => {
-            let local_rank = std::env::var("LOCAL_RANK")
+            // One GPU per rank: the launcher's LOCAL_RANK, or the rank when ranks are threads.
+            let ordinal = std::env::var("LOCAL_RANK")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
-            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+                .unwrap_or(world.rank());
+            if world.size() == 1 {
+                // Groups of one skip NCCL, so exercise it here with a one-rank communicator.
+                let probe = wildfire_backend::comm::nccl_device::probe_one_rank(ordinal);
+                println!("comm-check: {}", probe.map_err(|e| e.to_string())?);
+            }
+            let device = burn::backend::cuda::CudaDevice::new(ordinal);
             selfcheck::run::<burn::backend::Cuda>(world, &device, large)?
         }
         other => return Err(format!("--device {other:?} is not available in this build")),

@@ -1,6 +1,7 @@
 //! The decorator and the collectives on the CUDA backend (`--features cuda`; run by
 //! `scripts/gpu-check.sh`). Without a CUDA driver and device each test says it is skipped.
-//! Collectives move device buffers through host memory until the NCCL transport exists.
+//! At world size 1 collectives on CUDA tensors stay on the device without NCCL (the NCCL probe
+//! covers that case); at 2+ ranks, one GPU each, they run through NCCL on the device buffers.
 #![cfg(feature = "cuda")]
 
 use std::time::Duration;
@@ -9,7 +10,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use burn::tensor::Tensor;
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::selfcheck;
+use wildfire_backend::comm::{nccl_device, selfcheck};
 use wildfire_tests::training::mlp_training_bits;
 use wildfire_tests::{options, panic_text, run_ranks};
 
@@ -50,14 +51,30 @@ fn decorator_is_bitwise_identical_on_cuda() {
 }
 
 #[test]
+fn nccl_one_rank_probe_is_exact() {
+    require_cuda!();
+    match nccl_device::probe_one_rank(0) {
+        Ok(report) => println!("{report}"),
+        Err(e) => panic!("NCCL probe failed: {e}"),
+    }
+}
+
+#[test]
 fn every_op_is_exact_on_cuda_tensors() {
     require_cuda!();
-    for n in [1, 2] {
+    let gpus = nccl_device::cuda_device_count().expect("the driver answered above");
+    let mut worlds = vec![1];
+    if gpus >= 2 {
+        worlds.push(gpus);
+    } else {
+        println!("skipped: NCCL between ranks needs 2+ GPUs (one per rank), {gpus} present");
+    }
+    for n in worlds {
         let summaries = run_ranks(
             n,
             options(120.0, false),
             Duration::from_secs(300),
-            |world| selfcheck::run::<Cuda>(&world, &CudaDevice::default(), true),
+            |world| selfcheck::run::<Cuda>(&world, &CudaDevice::new(world.rank()), true),
         );
         for summary in summaries {
             summary.expect("exact on CUDA tensors");

@@ -42,8 +42,8 @@ use burn::tensor::{Slice, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::Parallel;
 use crate::comm::{
-    AllGather, AllReduce, Broadcast, CommError, OpKind, ProcessGroup, ReduceOp, ReduceScatter,
-    run_on_data, split_ranges,
+    AllGather, AllReduce, Broadcast, CommError, DeviceOp, OpKind, ProcessGroup, ReduceOp,
+    ReduceScatter, nccl_tensor, run_on_data, split_ranges,
 };
 
 /// What a collective does to a tensor (or, going back, to its gradient) on one rank.
@@ -145,6 +145,19 @@ impl Mapping {
         tensor: FloatTensor<B>,
         group: &ProcessGroup,
     ) -> Result<FloatTensor<B>, CommError> {
+        let device_op = match self {
+            Mapping::AllReduce(op) => Some(DeviceOp::AllReduce(op)),
+            Mapping::AllGather(dim) => Some(DeviceOp::AllGather(dim)),
+            Mapping::ReduceScatter(dim) => Some(DeviceOp::ReduceScatter(dim, ReduceOp::Sum)),
+            Mapping::Identity | Mapping::LocalPart(_) => None,
+        };
+        let tensor = match device_op {
+            Some(op) => match on_device::<B>(tensor, group, op) {
+                Ok(result) => return result,
+                Err(tensor) => tensor,
+            },
+            None => tensor,
+        };
         match self {
             Mapping::Identity => Ok(tensor),
             Mapping::AllReduce(op) => on_host::<B>(tensor, OpKind::AllReduce, |data| {
@@ -159,6 +172,16 @@ impl Mapping {
             Mapping::LocalPart(dim) => local_part::<B>(tensor, group, dim),
         }
     }
+}
+
+/// Runs `op` on the device buffers when the primitive is a CUDA tensor (feature `cuda`, see
+/// `comm`'s NCCL module); otherwise gives it back for the host path.
+fn on_device<B: Backend>(
+    tensor: FloatTensor<B>,
+    group: &ProcessGroup,
+    op: DeviceOp,
+) -> Result<Result<FloatTensor<B>, CommError>, FloatTensor<B>> {
+    nccl_tensor::try_collective::<_, B>(group, tensor, op)
 }
 
 /// Reads a primitive to host memory, runs `f`, and makes a primitive of the result on the same
@@ -225,6 +248,10 @@ impl<B: Backend> CollectiveBackend for Parallel<B> {
         group: &ProcessGroup,
         root: usize,
     ) -> Result<FloatTensor<Self>, CommError> {
+        let tensor = match on_device::<Self>(tensor, group, DeviceOp::Broadcast(root)) {
+            Ok(result) => return result,
+            Err(tensor) => tensor,
+        };
         on_host::<Self>(tensor, OpKind::Broadcast, |data| {
             run_on_data(group, data, Broadcast(root))
         })

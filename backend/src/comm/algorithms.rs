@@ -80,11 +80,35 @@ fn slices<E: CommElem>(messages: &[Message]) -> Vec<&[E]> {
         .collect()
 }
 
-fn peers_of(group: &ProcessGroup) -> Vec<usize> {
+pub(crate) fn peers_of(group: &ProcessGroup) -> Vec<usize> {
     (0..group.size()).filter(|p| *p != group.rank()).collect()
 }
 
 impl OpCtx<'_> {
+    /// `peer`'s size along `dim` in an all-gather, after checking that its shape `theirs`
+    /// agrees with this rank's `shape` everywhere else.
+    pub(crate) fn gathered_size(
+        &self,
+        peer: usize,
+        theirs: &[usize],
+        shape: &[usize],
+        dim: usize,
+    ) -> Result<usize, CommError> {
+        let compatible = theirs.len() == shape.len()
+            && theirs
+                .iter()
+                .zip(shape)
+                .enumerate()
+                .all(|(d, (a, b))| d == dim || a == b);
+        if !compatible {
+            return Err(self.mismatch(
+                peer,
+                format!("its shape {theirs:?} differs from {shape:?} outside dimension {dim}"),
+            ));
+        }
+        Ok(theirs[dim])
+    }
+
     /// The elements of a message from `peer`, which must hold `len` elements of `E`.
     fn elements<'m, E: CommElem>(
         &self,
@@ -112,7 +136,7 @@ impl OpCtx<'_> {
     }
 
     /// Sends step `part` to each of `peers`, every send attempted (see [`all_sent`]).
-    fn send_each(
+    pub(crate) fn send_each(
         &self,
         peers: &[usize],
         part: u32,
@@ -222,7 +246,12 @@ impl OpCtx<'_> {
 }
 
 impl ProcessGroup {
-    fn check_dim(&self, op: OpKind, shape: &[usize], dim: usize) -> Result<(), CommError> {
+    pub(crate) fn check_dim(
+        &self,
+        op: OpKind,
+        shape: &[usize],
+        dim: usize,
+    ) -> Result<(), CommError> {
         if dim >= shape.len() {
             return Err(self.invalid(
                 op,
@@ -324,19 +353,7 @@ impl ProcessGroup {
         let mut parts = Vec::with_capacity(self.size());
         for (message, &q) in messages.iter().zip(&peers) {
             let theirs = &message.desc.shape;
-            let compatible = theirs.len() == shape.len()
-                && theirs
-                    .iter()
-                    .zip(&shape)
-                    .enumerate()
-                    .all(|(d, (a, b))| d == dim || a == b);
-            if !compatible {
-                return Err(ctx.mismatch(
-                    q,
-                    format!("its shape {theirs:?} differs from {shape:?} outside dimension {dim}"),
-                ));
-            }
-            sizes.push(theirs[dim]);
+            sizes.push(ctx.gathered_size(q, theirs, &shape, dim)?);
             parts.push(ctx.elements::<E>(q, message, theirs.iter().product())?);
         }
         sizes.insert(me, shape[dim]);

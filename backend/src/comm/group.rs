@@ -89,8 +89,20 @@ pub(crate) struct GroupInner {
     /// Sub-groups created so far per rank list, world-wide, so that creating the same rank list
     /// twice gives two groups with distinct ids (members create groups in the same order).
     created: Arc<Mutex<HashMap<Vec<usize>, u64>>>,
-    /// Keeps the rendezvous store (served by rank 0) alive as long as the world.
-    _keep_alive: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The rendezvous store of a multi-process world (served by rank 0), kept as long as the
+    /// world; NCCL communicators agree on their unique id through it.
+    pub(crate) rendezvous: Option<Arc<Rendezvous>>,
+    /// This group's NCCL communicator, created by its first collective on CUDA tensors.
+    #[cfg(feature = "cuda")]
+    pub(crate) nccl: Mutex<Option<super::nccl_device::NcclComm>>,
+}
+
+/// A multi-process world's rendezvous store: the client of every rank, and the server on rank 0.
+pub(crate) struct Rendezvous {
+    /// Read by NCCL setup only (feature `cuda`); without it, the client is just kept alive.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) store: super::store::StoreClient,
+    pub(crate) _server: Option<super::store::StoreServer>,
 }
 
 /// A set of ranks that run collectives together.
@@ -123,7 +135,7 @@ impl ProcessGroup {
     pub(crate) fn world(
         transport: Arc<dyn Transport>,
         options: CommOptions,
-        keep_alive: Option<Arc<dyn std::any::Any + Send + Sync>>,
+        rendezvous: Option<Arc<Rendezvous>>,
     ) -> Self {
         let world_size = transport.world_size();
         Self {
@@ -136,7 +148,9 @@ impl ProcessGroup {
                 transport,
                 options,
                 created: Arc::default(),
-                _keep_alive: keep_alive,
+                rendezvous,
+                #[cfg(feature = "cuda")]
+                nccl: Mutex::default(),
             }),
         }
     }
@@ -258,7 +272,9 @@ impl ProcessGroup {
                 transport: self.inner.transport.clone(),
                 options: self.inner.options.clone(),
                 created: self.inner.created.clone(),
-                _keep_alive: self.inner._keep_alive.clone(),
+                rendezvous: self.inner.rendezvous.clone(),
+                #[cfg(feature = "cuda")]
+                nccl: Mutex::default(),
             }),
         })
     }

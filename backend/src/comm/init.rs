@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::env::LaunchEnv;
 use super::error::CommError;
-use super::group::{CommOptions, ProcessGroup};
+use super::group::{CommOptions, ProcessGroup, Rendezvous};
 use super::store::{StoreClient, StoreServer};
 use super::transport::tcp::TcpTransport;
 
@@ -33,7 +33,14 @@ impl ProcessGroup {
             &store,
             options.timeout,
         )?;
-        let keep_alive: Arc<dyn std::any::Any + Send + Sync> = Arc::new((server, store));
-        Ok(Self::world(Arc::new(transport), options, Some(keep_alive)))
+        let rendezvous = Rendezvous {
+            store,
+            _server: server,
+        };
+        Ok(Self::world(
+            Arc::new(transport),
+            options,
+            Some(Arc::new(rendezvous)),
+        ))
     }
 }

@@ -27,6 +27,25 @@ mod mailbox;
 pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod nccl_device;
+#[cfg(feature = "cuda")]
+pub(crate) mod nccl_tensor;
+/// Without the `cuda` feature no tensor is a CUDA tensor: every collective takes the host path.
+#[cfg(not(feature = "cuda"))]
+pub(crate) mod nccl_tensor {
+    use burn::tensor::backend::Backend;
+
+    use super::error::CommError;
+    use super::group::ProcessGroup;
+    use super::tensor::DeviceOp;
+
+    pub(crate) fn try_collective<P: 'static, B: Backend>(
+        _: &ProcessGroup,
+        primitive: P,
+        _: DeviceOp,
+    ) -> Result<Result<P, CommError>, P> {
+        Err(primitive)
+    }
+}
 pub mod selfcheck;
 mod store;
 mod tensor;
@@ -42,5 +61,5 @@ pub use group::{
 pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
 pub use store::{StoreClient, StoreServer};
-pub(crate) use tensor::{AllGather, AllReduce, Broadcast, ReduceScatter, run_on_data};
+pub(crate) use tensor::{AllGather, AllReduce, Broadcast, DeviceOp, ReduceScatter, run_on_data};
 pub use transport::tcp::ADVERTISE_ENV;

@@ -72,6 +72,18 @@ pub type CollectiveFn = unsafe extern "C" fn(
     RawStream,
 ) -> Status;
 
+/// `(send, recv, count, datatype, op, root, comm, stream)`: the shape of `ncclReduce`.
+pub type ReduceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    c_int,
+    RawComm,
+    RawStream,
+) -> Status;
+
 /// The NCCL entry points the transport uses, resolved from one loaded library.
 #[derive(Debug)]
 pub struct NcclLibrary {
@@ -96,6 +108,7 @@ pub struct NcclLibrary {
     ) -> Status,
     /// The fifth argument is the root rank.
     pub broadcast: CollectiveFn,
+    pub reduce: ReduceFn,
     pub send:
         unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, RawStream) -> Status,
     pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> Status,
@@ -182,6 +195,7 @@ impl NcclLibrary {
                 reduce_scatter: symbol(handle, path, "ncclReduceScatter")?,
                 all_gather: symbol(handle, path, "ncclAllGather")?,
                 broadcast: symbol(handle, path, "ncclBroadcast")?,
+                reduce: symbol(handle, path, "ncclReduce")?,
                 send: symbol(handle, path, "ncclSend")?,
                 recv: symbol(handle, path, "ncclRecv")?,
                 group_start: symbol(handle, path, "ncclGroupStart")?,

@@ -1,8 +1,11 @@
-//! An NCCL communicator on one CUDA device: creation through the rendezvous store, and the
-//! collectives on raw device pointers, each waited for within the group's deadline.
+//! An NCCL communicator on one CUDA device: creation (unique id through the rendezvous store, or
+//! a host broadcast when ranks are threads), the collectives on raw device pointers, each waited
+//! for within the group's deadline, and a one-rank probe. `comm::nccl_tensor` calls it with the
+//! device buffers of CUDA tensors.
 //!
-//! **Not yet run on a GPU** (no device was available when it was written); it compiles with
-//! `--features cuda` and is exercised by `scripts/gpu-check.sh` once the tensor path uses it.
+//! **Not yet run on a GPU**: no device was available to the sessions that wrote it. It compiles
+//! with `--features cuda`; `scripts/gpu-check.sh` runs it (the probe, the tensor collectives at
+//! every GPU count present).
 //!
 //! **Ordering.** Each collective is enqueued on the communicator's own CUDA stream, in the
 //! device's primary context (the one CubeCL uses). The caller must have finished (synchronised)
@@ -15,11 +18,16 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 
+use super::algorithms::HostTensor;
+use super::element::{ReduceOp, WireDType};
 use super::error::CommError;
-use super::nccl::{NcclLibrary, RawComm, RawStream, share_unique_id};
-use super::store::StoreClient;
+use super::group::ProcessGroup;
+use super::nccl::{
+    NcclLibrary, RawComm, RawStream, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op,
+    share_unique_id,
+};
 
 /// Why CUDA is not usable, checked without touching anything that would panic.
 pub fn check_cuda_driver() -> Result<(), CommError> {
@@ -41,8 +49,35 @@ pub struct NcclComm {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     group: String,
+    ordinal: usize,
     rank: usize,
     timeout: Duration,
+}
+
+/// The group's shared NCCL unique id, created by group rank 0; returns after every rank has it.
+fn agree_unique_id(group: &ProcessGroup, library: &NcclLibrary) -> Result<UniqueId, CommError> {
+    let name = format!("group-{:016x}", group.inner.id);
+    let (rank, size) = (group.rank(), group.size());
+    if let Some(rendezvous) = &group.inner.rendezvous {
+        let store = &rendezvous.store;
+        let timeout = group.options().timeout;
+        let id = share_unique_id(store, &name, rank, timeout, || library.unique_id())?;
+        store.barrier(&format!("wildfire/nccl/{name}/init"), size)?;
+        return Ok(id);
+    }
+    let mine = if rank == 0 {
+        library.unique_id()?.to_bytes()
+    } else {
+        vec![0; UNIQUE_ID_BYTES]
+    };
+    let shared = group.broadcast_host(HostTensor::new(mine, vec![UNIQUE_ID_BYTES]), 0)?;
+    group.barrier()?;
+    UniqueId::from_bytes(&shared.data).ok_or_else(|| {
+        CommError::Nccl(format!(
+            "{name}: rank 0 broadcast {} bytes, not a {UNIQUE_ID_BYTES}-byte NCCL unique id",
+            shared.data.len()
+        ))
+    })
 }
 
 // SAFETY: the communicator is used by one thread at a time (collectives take `&mut self`), and
@@ -54,16 +89,13 @@ fn driver_error(what: &str, error: cudarc::driver::DriverError) -> CommError {
 }
 
 impl NcclComm {
-    /// Joins `group`'s communicator as `rank` of `size` on device `ordinal`. Rank 0 creates
-    /// the unique id; the ranks meet at a store barrier (within the store's deadline), then
-    /// enter `ncclCommInitRank`, which returns when all have.
-    pub fn init(
-        store: &StoreClient,
-        group: &str,
-        (rank, size): (usize, usize),
-        ordinal: usize,
-        timeout: Duration,
-    ) -> Result<Self, CommError> {
+    /// Joins `group`'s communicator on CUDA device `ordinal`.
+    ///
+    /// Group rank 0 creates the unique id and shares it: through the rendezvous store in a
+    /// multi-process world, or by a host broadcast over the group when its ranks are threads of
+    /// one process. The ranks then meet (a store or group barrier, within the deadline), because
+    /// `ncclCommInitRank` has no deadline of its own and returns only when every rank called it.
+    pub fn for_group(group: &ProcessGroup, ordinal: usize) -> Result<Self, CommError> {
         check_cuda_driver()?;
         let library = NcclLibrary::get()?;
         let context = CudaContext::new(ordinal)
@@ -74,10 +106,8 @@ impl NcclComm {
         let stream = context
             .new_stream()
             .map_err(|e| driver_error("creating the NCCL stream", e))?;
-        let id = share_unique_id(store, group, rank, timeout, || library.unique_id())?;
-        // ncclCommInitRank blocks until every rank has called it, with no deadline of its own:
-        // meet in the store first, so a rank that never comes is a timeout naming the count.
-        store.barrier(&format!("wildfire/nccl/{group}/init"), size)?;
+        let (rank, size) = (group.rank(), group.size());
+        let id = agree_unique_id(group, library)?;
         let mut comm: RawComm = std::ptr::null_mut();
         // SAFETY: comm receives the new communicator; id is the group's shared unique id.
         let status =
@@ -88,10 +118,16 @@ impl NcclComm {
             comm,
             context,
             stream,
-            group: group.to_string(),
+            group: group.describe(),
+            ordinal,
             rank,
-            timeout,
+            timeout: group.options().timeout,
         })
+    }
+
+    /// The CUDA device this communicator runs on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     fn raw_stream(&self) -> RawStream {
@@ -313,6 +349,198 @@ impl NcclComm {
                 comm,
                 stream,
             )
+        })
+    }
+}
+
+/// How many CUDA devices the driver sees.
+pub fn cuda_device_count() -> Result<usize, CommError> {
+    check_cuda_driver()?;
+    let count =
+        CudaContext::device_count().map_err(|e| driver_error("counting CUDA devices", e))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// Checks NCCL end to end on CUDA device `ordinal` with a one-rank communicator, which any
+/// machine with one GPU can run (the tensor path skips NCCL for groups of one): loads the
+/// library, creates the communicator, runs every collective this module has on device buffers,
+/// and compares the results. Returns a one-line description of what ran.
+pub fn probe_one_rank(ordinal: usize) -> Result<String, CommError> {
+    let world = ProcessGroup::local_world(1, Default::default())?.remove(0);
+    let mut comm = NcclComm::for_group(&world, ordinal)?;
+    let stream = comm.stream.clone();
+    let failed = |what: &'static str| move |e| driver_error(what, e);
+    let input: Vec<f32> = vec![1.0, -2.0, 3.5, 4.0];
+    let count = input.len();
+    let send = stream
+        .clone_htod(&input)
+        .map_err(failed("copying the probe input"))?;
+    let recv = stream
+        .alloc_zeros::<f32>(count)
+        .map_err(failed("allocating the probe output"))?;
+    stream
+        .synchronize()
+        .map_err(failed("synchronising the probe stream"))?;
+    let (dtype, op) = (nccl_dtype(WireDType::F32), nccl_op(ReduceOp::Sum));
+    let types = (dtype, WireDType::F32.size());
+    let calls: [(&str, ProbeCall); 6] = [
+        // SAFETY (all six): `send` and `recv` hold `count` f32 on this device, written above.
+        ("all-reduce", |c, s, r, n, t, op| unsafe {
+            c.all_reduce(s, r, n, t.0, op)
+        }),
+        ("broadcast", |c, s, r, n, t, _| unsafe {
+            c.broadcast(s, r, n, t.0, 0)
+        }),
+        ("all-gather", |c, s, r, n, t, _| unsafe {
+            c.all_gather(s, r, n, t.0)
+        }),
+        ("reduce-scatter", |c, s, r, n, t, op| unsafe {
+            c.reduce_scatter(s, r, n, t.0, op)
+        }),
+        ("all-gather (grouped)", |c, s, r, n, t, _| unsafe {
+            c.all_gather_v(s, r, &[n], t)
+        }),
+        ("reduce-scatter (grouped)", |c, s, r, n, t, op| unsafe {
+            c.reduce_scatter_v(s, r, &[n], t, op)
+        }),
+    ];
+    for (name, call) in calls {
+        {
+            let (send_ptr, _send_guard) = send.device_ptr(&stream);
+            let (recv_ptr, _recv_guard) = recv.device_ptr(&stream);
+            call(&mut comm, send_ptr, recv_ptr, count, types, op)?;
+        }
+        let output = stream
+            .clone_dtoh(&recv)
+            .map_err(failed("reading the probe output"))?;
+        if output != input {
+            return Err(CommError::Nccl(format!(
+                "probe {name} on one rank returned {output:?}, expected {input:?}"
+            )));
+        }
+    }
+    let library = NcclLibrary::get()?;
+    Ok(format!(
+        "NCCL {} ({}): a one-rank communicator on CUDA device {ordinal} ran all-reduce, \
+         broadcast, all-gather and reduce-scatter (plain and grouped) on device buffers, exact",
+        library.version()?,
+        library.path
+    ))
+}
+
+/// One probe collective: `(comm, send, recv, count, (dtype, element bytes), op)`.
+type ProbeCall = fn(&mut NcclComm, u64, u64, usize, (c_int, usize), c_int) -> Result<(), CommError>;
+
+/// Element offsets of consecutive blocks of `counts` elements.
+fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |start, count| {
+            let offset = *start;
+            *start += count;
+            Some(offset)
+        })
+        .collect()
+}
+
+impl NcclComm {
+    /// Enqueues `calls` as one NCCL group (`ncclGroupStart` … `ncclGroupEnd`, which NCCL runs
+    /// as a single fused operation) and waits for it like [`run`](Self::run).
+    fn run_grouped(
+        &mut self,
+        call: &str,
+        calls: impl FnOnce(RawComm, RawStream) -> c_int,
+    ) -> Result<(), CommError> {
+        let (start, end) = (self.library.group_start, self.library.group_end);
+        self.run(call, |comm, stream| {
+            // SAFETY: group calls take no arguments; every group started is ended below.
+            let started = unsafe { start() };
+            if started != 0 {
+                return started;
+            }
+            let status = calls(comm, stream);
+            // SAFETY: as above.
+            let ended = unsafe { end() };
+            if status != 0 { status } else { ended }
+        })
+    }
+
+    /// An all-gather with per-rank sizes: rank q's `counts[q]` elements (at `send` on rank q)
+    /// land at element offset `Σ_{p<q} counts[p]` of `recv` on every rank. One group of
+    /// broadcasts, one rooted at each rank.
+    ///
+    /// # Safety
+    /// As [`all_reduce`](Self::all_reduce), with `send` holding `counts[rank]` elements and
+    /// `recv` `Σ counts` elements of `elem_bytes` bytes.
+    pub unsafe fn all_gather_v(
+        &mut self,
+        send: u64,
+        recv: u64,
+        counts: &[usize],
+        (dtype, elem_bytes): (c_int, usize),
+    ) -> Result<(), CommError> {
+        let f = self.library.broadcast;
+        let starts = offsets(counts);
+        self.run_grouped("ncclBroadcast (all-gather, uneven)", |comm, stream| {
+            for (root, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
+                let at = recv + (start * elem_bytes) as u64;
+                // SAFETY: the caller guarantees the buffers; `at` stays inside `recv`.
+                let status = unsafe {
+                    f(
+                        send as *const c_void,
+                        at as *mut c_void,
+                        count,
+                        dtype,
+                        root as c_int,
+                        comm,
+                        stream,
+                    )
+                };
+                if status != 0 {
+                    return status;
+                }
+            }
+            0
+        })
+    }
+
+    /// A reduce-scatter with per-rank sizes: `recv` (`counts[rank]` elements) = this rank's
+    /// block of `reduce(send)`, where `send` holds `Σ counts` elements and block q starts at
+    /// `Σ_{p<q} counts[p]`. One group of reductions, one rooted at each rank.
+    ///
+    /// # Safety
+    /// As [`all_gather_v`](Self::all_gather_v), with the roles of `send` and `recv` swapped.
+    pub unsafe fn reduce_scatter_v(
+        &mut self,
+        send: u64,
+        recv: u64,
+        counts: &[usize],
+        (dtype, elem_bytes): (c_int, usize),
+        op: c_int,
+    ) -> Result<(), CommError> {
+        let f = self.library.reduce;
+        let starts = offsets(counts);
+        self.run_grouped("ncclReduce (reduce-scatter, uneven)", |comm, stream| {
+            for (root, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
+                let from = send + (start * elem_bytes) as u64;
+                // SAFETY: the caller guarantees the buffers; `from` stays inside `send`.
+                let status = unsafe {
+                    f(
+                        from as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        dtype,
+                        op,
+                        root as c_int,
+                        comm,
+                        stream,
+                    )
+                };
+                if status != 0 {
+                    return status;
+                }
+            }
+            0
         })
     }
 }

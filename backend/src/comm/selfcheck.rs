@@ -156,7 +156,7 @@ impl<B: Backend> Ctx<'_, B> {
         Ok(())
     }
 
-    fn all_ops<K: BasicOps<B>>(&mut self) -> Result<(), String>
+    fn all_ops<K: BasicOps<B> + 'static>(&mut self) -> Result<(), String>
     where
         K::Elem: Element,
     {

@@ -12,6 +12,17 @@ use super::element::{CommElem, ReduceOp, WireDType, with_elem_type};
 use super::error::CommError;
 use super::group::ProcessGroup;
 use super::mailbox::OpKind;
+use super::nccl_tensor;
+
+/// A collective that also runs on device buffers (NCCL, feature `cuda`).
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum DeviceOp {
+    AllReduce(ReduceOp),
+    AllGather(usize),
+    ReduceScatter(usize, ReduceOp),
+    Broadcast(usize),
+}
 
 /// A host collective, run for whichever element type the tensor holds.
 pub(crate) trait HostOp {
@@ -21,6 +32,11 @@ pub(crate) trait HostOp {
         group: &ProcessGroup,
         input: HostTensor<E>,
     ) -> Result<HostTensor<E>, CommError>;
+
+    /// The same collective on device buffers, where one exists.
+    fn on_device(&self) -> Option<DeviceOp> {
+        None
+    }
 }
 
 fn tensor_error(op: OpKind, detail: impl std::fmt::Display) -> CommError {
@@ -63,6 +79,28 @@ pub(crate) fn run_on_data<O: HostOp>(
     })
 }
 
+/// Runs `op` on the device buffers of a CUDA tensor (see `nccl_tensor`), else through host
+/// memory.
+fn run_collective<B, const D: usize, K, O>(
+    group: &ProcessGroup,
+    tensor: Tensor<B, D, K>,
+    op: O,
+) -> Result<Tensor<B, D, K>, CommError>
+where
+    B: Backend,
+    K: BasicOps<B> + 'static,
+    K::Elem: Element,
+    O: HostOp,
+{
+    let Some(device_op) = op.on_device() else {
+        return through_host(group, tensor, op);
+    };
+    match nccl_tensor::try_collective::<_, B>(group, tensor.into_primitive(), device_op) {
+        Ok(result) => result.map(Tensor::from_primitive),
+        Err(primitive) => through_host(group, Tensor::from_primitive(primitive), op),
+    }
+}
+
 fn through_host<B, const D: usize, K, O>(
     group: &ProcessGroup,
     tensor: Tensor<B, D, K>,
@@ -100,6 +138,9 @@ fn check_rank<const D: usize>(op: OpKind, data: &TensorData) -> Result<(), CommE
 pub(crate) struct AllReduce(pub(crate) ReduceOp);
 impl HostOp for AllReduce {
     const OP: OpKind = OpKind::AllReduce;
+    fn on_device(&self) -> Option<DeviceOp> {
+        Some(DeviceOp::AllReduce(self.0))
+    }
     fn run<E: CommElem>(
         &self,
         g: &ProcessGroup,
@@ -112,6 +153,9 @@ impl HostOp for AllReduce {
 pub(crate) struct AllGather(pub(crate) usize);
 impl HostOp for AllGather {
     const OP: OpKind = OpKind::AllGather;
+    fn on_device(&self) -> Option<DeviceOp> {
+        Some(DeviceOp::AllGather(self.0))
+    }
     fn run<E: CommElem>(
         &self,
         g: &ProcessGroup,
@@ -124,6 +168,9 @@ impl HostOp for AllGather {
 pub(crate) struct ReduceScatter(pub(crate) usize, pub(crate) ReduceOp);
 impl HostOp for ReduceScatter {
     const OP: OpKind = OpKind::ReduceScatter;
+    fn on_device(&self) -> Option<DeviceOp> {
+        Some(DeviceOp::ReduceScatter(self.0, self.1))
+    }
     fn run<E: CommElem>(
         &self,
         g: &ProcessGroup,
@@ -136,6 +183,9 @@ impl HostOp for ReduceScatter {
 pub(crate) struct Broadcast(pub(crate) usize);
 impl HostOp for Broadcast {
     const OP: OpKind = OpKind::Broadcast;
+    fn on_device(&self) -> Option<DeviceOp> {
+        Some(DeviceOp::Broadcast(self.0))
+    }
     fn run<E: CommElem>(
         &self,
         g: &ProcessGroup,
@@ -180,7 +230,7 @@ impl ProcessGroup {
 
     /// Every rank gets `op` (sum, mean, max, min) over all ranks' tensors, bitwise identical on
     /// every rank (see [`ReduceOp`] for the fold order). Shapes must match across ranks.
-    pub fn all_reduce<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn all_reduce<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         op: ReduceOp,
@@ -188,11 +238,11 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        through_host(self, tensor, AllReduce(op))
+        run_collective(self, tensor, AllReduce(op))
     }
 
     /// Concatenation of all ranks' tensors along `dim`, in rank order.
-    pub fn all_gather<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn all_gather<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         dim: usize,
@@ -200,12 +250,12 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        through_host(self, tensor, AllGather(dim))
+        run_collective(self, tensor, AllGather(dim))
     }
 
     /// This rank's part, along `dim`, of `op` over all ranks' tensors. With `S` rows and `n`
     /// ranks, the first `S mod n` ranks get `⌈S/n⌉` rows and the rest `⌊S/n⌋`.
-    pub fn reduce_scatter<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn reduce_scatter<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         dim: usize,
@@ -214,11 +264,11 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        through_host(self, tensor, ReduceScatter(dim, op))
+        run_collective(self, tensor, ReduceScatter(dim, op))
     }
 
     /// `root`'s tensor, on every rank. Every rank passes a tensor of the root's shape.
-    pub fn broadcast<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn broadcast<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         root: usize,
@@ -226,12 +276,12 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        through_host(self, tensor, Broadcast(root))
+        run_collective(self, tensor, Broadcast(root))
     }
 
     /// Part q of the tensor along `scatter_dim` goes to rank q; the parts received are
     /// concatenated along `gather_dim` in rank order.
-    pub fn all_to_all<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn all_to_all<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         scatter_dim: usize,
@@ -240,11 +290,11 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
-        through_host(self, tensor, AllToAll(scatter_dim, gather_dim))
+        run_collective(self, tensor, AllToAll(scatter_dim, gather_dim))
     }
 
     /// Sends a tensor to group rank `dst` under `tag`; returns once it is queued.
-    pub fn send<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn send<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         tensor: Tensor<B, D, K>,
         dst: usize,
@@ -261,7 +311,7 @@ impl ProcessGroup {
 
     /// Receives the next tensor group rank `src` sent under `tag`, with the sender's shape and
     /// dtype, on `device`.
-    pub fn recv<B: Backend, const D: usize, K: BasicOps<B>>(
+    pub fn recv<B: Backend, const D: usize, K: BasicOps<B> + 'static>(
         &self,
         src: usize,
         tag: u64,
