@@ -92,9 +92,11 @@ pub(crate) struct GroupInner {
     /// The rendezvous store of a multi-process world (served by rank 0), kept as long as the
     /// world; NCCL communicators agree on their unique id through it.
     pub(crate) rendezvous: Option<Arc<Rendezvous>>,
-    /// This group's NCCL communicator, created by its first collective on CUDA tensors.
+    /// This group's NCCL communicator, created by its first collective on CUDA tensors; a
+    /// failed creation is kept as its error and not retried (a retry could pair ranks with
+    /// different unique ids).
     #[cfg(feature = "cuda")]
-    pub(crate) nccl: Mutex<Option<super::nccl_device::NcclComm>>,
+    pub(crate) nccl: Mutex<Option<Result<super::nccl_device::NcclComm, String>>>,
 }
 
 /// A multi-process world's rendezvous store: the client of every rank, and the server on rank 0.

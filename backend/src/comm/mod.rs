@@ -38,6 +38,10 @@ pub(crate) mod nccl_tensor {
     use super::group::ProcessGroup;
     use super::tensor::DeviceOp;
 
+    #[allow(
+        clippy::extra_unused_type_parameters,
+        reason = "the signature of the CUDA build's function, which needs B"
+    )]
     pub(crate) fn try_collective<P: 'static, B: Backend>(
         _: &ProcessGroup,
         primitive: P,

@@ -135,7 +135,7 @@ impl NcclComm {
     }
 
     /// Enqueues one NCCL call (which returns its status) on a live communicator and waits for
-    /// it on the device.
+    /// it on the device. Any failure aborts the communicator (see [`abort`](Self::abort)).
     fn run(
         &mut self,
         call: &str,
@@ -146,12 +146,14 @@ impl NcclComm {
             .bind_to_thread()
             .map_err(|e| driver_error("binding the CUDA context", e))?;
         let status = enqueue(self.comm, self.raw_stream());
-        self.library.check(call, status)?;
-        self.wait(call)
+        let result = self
+            .library
+            .check(call, status)
+            .and_then(|()| self.wait(call));
+        result.map_err(|error| self.abort(error))
     }
 
-    /// Polls the stream's completion and NCCL's asynchronous error until the deadline; on
-    /// timeout the communicator is aborted, so no later call can hang on it.
+    /// Polls the stream's completion and NCCL's asynchronous error until the deadline.
     fn wait(&mut self, call: &str) -> Result<(), CommError> {
         let event = self
             .stream
@@ -171,11 +173,8 @@ impl NcclComm {
             self.library.check("ncclCommGetAsyncError", status)?;
             self.library.check(call, async_error)?;
             if Instant::now() >= deadline {
-                // SAFETY: abort ends the communicator; it is not used again (comm is nulled).
-                unsafe { (self.library.comm_abort)(self.comm) };
-                self.comm = std::ptr::null_mut();
                 return Err(CommError::Nccl(format!(
-                    "{call} in {} timed out after {:.1} s on rank {} (communicator aborted)",
+                    "{call} in {} timed out after {:.1} s on rank {}",
                     self.group,
                     self.timeout.as_secs_f64(),
                     self.rank
@@ -185,10 +184,29 @@ impl NcclComm {
         }
     }
 
+    /// Ends the communicator after `error`: aborts it (which stops its kernels), waits for its
+    /// stream, so the buffers the caller frees next are no longer in use, and marks it dead so
+    /// later calls fail at once instead of hanging on it.
+    fn abort(&mut self, error: CommError) -> CommError {
+        // SAFETY: abort ends the communicator; it is not used again (comm is nulled).
+        unsafe { (self.library.comm_abort)(self.comm) };
+        self.comm = std::ptr::null_mut();
+        let drained = self.stream.synchronize();
+        let note = match drained {
+            Ok(()) => "communicator aborted".to_string(),
+            Err(e) => format!("communicator aborted; its stream reported {e:?}"),
+        };
+        match error {
+            CommError::Nccl(text) => CommError::Nccl(format!("{text} ({note})")),
+            CommError::Cuda(text) => CommError::Cuda(format!("{text} ({note})")),
+            other => other,
+        }
+    }
+
     fn live(&self) -> Result<(), CommError> {
         if self.comm.is_null() {
             return Err(CommError::Nccl(format!(
-                "the NCCL communicator of {} was aborted after an earlier timeout",
+                "the NCCL communicator of {} was aborted after an earlier failure",
                 self.group
             )));
         }
@@ -404,7 +422,11 @@ pub fn probe_one_rank(ordinal: usize) -> Result<String, CommError> {
             c.reduce_scatter_v(s, r, &[n], t, op)
         }),
     ];
+    let mut recv = recv;
     for (name, call) in calls {
+        stream
+            .memset_zeros(&mut recv)
+            .map_err(failed("clearing the probe output"))?;
         {
             let (send_ptr, _send_guard) = send.device_ptr(&stream);
             let (recv_ptr, _recv_guard) = recv.device_ptr(&stream);

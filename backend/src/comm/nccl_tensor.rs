@@ -130,10 +130,14 @@ fn with_comm<T>(
     f: impl FnOnce(&mut NcclComm) -> Result<T, CommError>,
 ) -> Result<T, CommError> {
     let mut slot = group.inner.nccl.lock().unwrap_or_else(|e| e.into_inner());
-    if slot.is_none() {
-        *slot = Some(NcclComm::for_group(group, device.index)?);
-    }
-    let comm = slot.as_mut().expect("created above");
+    let created = slot
+        .get_or_insert_with(|| NcclComm::for_group(group, device.index).map_err(|e| e.to_string()));
+    let comm = created.as_mut().map_err(|first| {
+        CommError::Nccl(format!(
+            "{} has no NCCL communicator: creating it failed ({first})",
+            group.describe()
+        ))
+    })?;
     if comm.ordinal() != device.index {
         return Err(CommError::Nccl(format!(
             "{} has its NCCL communicator on CUDA device {}, but this tensor is on device {}",
@@ -386,14 +390,17 @@ impl DeviceOp {
         }
     }
 
-    /// The argument the debug-mode agreement check compares (as the host collectives do).
+    /// The argument the debug-mode agreement check compares: the host collectives' argument,
+    /// with the top bit set, so a rank on NCCL and a rank on the host path disagree visibly.
     fn arg(self) -> u64 {
-        match self {
-            DeviceOp::AllReduce(op) => op.code(),
-            DeviceOp::AllGather(dim) => dim as u64,
-            DeviceOp::ReduceScatter(dim, op) => op.code() | (dim as u64) << 8,
-            DeviceOp::Broadcast(root) => root as u64,
-        }
+        const ON_DEVICE: u64 = 1 << 63;
+        ON_DEVICE
+            | match self {
+                DeviceOp::AllReduce(op) => op.code(),
+                DeviceOp::AllGather(dim) => dim as u64,
+                DeviceOp::ReduceScatter(dim, op) => op.code() | (dim as u64) << 8,
+                DeviceOp::Broadcast(root) => root as u64,
+            }
     }
 }
 
