@@ -1,5 +1,8 @@
-//! wildfire's parallel strategies: the mesh (dp × tp × pp, ZeRO stage), DDP, ZeRO/FSDP, tensor and
-//! pipeline parallelism. They are built on [`wildfire_backend::comm`] in the issues that follow;
-//! this crate holds no code yet.
+//! wildfire's parallel strategies, built on [`wildfire_backend::comm`]: the layout of a job and
+//! its validation ([`mesh`]) and pipeline parallelism ([`pp`]: partition, schedules as checked
+//! data, executor). DDP, ZeRO/FSDP and tensor parallelism follow in later issues.
+
+pub mod mesh;
+pub mod pp;
 
 pub use wildfire_backend::comm::ProcessGroup;

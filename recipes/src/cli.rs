@@ -10,6 +10,7 @@ use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessG
 use wildfire_backend::launch::{self, LaunchConfig};
 
 use crate::config::RunConfig;
+use crate::config::Transport;
 use crate::model::{Gpt, StageSpec};
 use crate::{checkpoint, generate, hf, train};
 
@@ -52,6 +53,61 @@ pub struct TrainArgs {
     /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
     #[arg(long, value_name = "hf:PATH")]
     pub init_from: Option<String>,
+    /// Pipeline-parallel ranks (sets parallel.pp).
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Micro-batches per step, the pipeline's micro-batches (sets train.grad_accum).
+    #[arg(long)]
+    pub microbatches: Option<usize>,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved (sets parallel.schedule).
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Model chunks per pipeline rank, for the interleaved schedule (sets
+    /// parallel.virtual_stages).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+    /// Blocks of each pipeline stage, e.g. 1,2,1 (sets parallel.stage_layers).
+    #[arg(long, value_delimiter = ',')]
+    pub stage_layers: Option<Vec<usize>>,
+    /// Where the ranks run: `launch` (one process each, as `wildfire launch` starts them) or
+    /// `local` (threads of this process) (sets parallel.transport).
+    #[arg(long, value_enum)]
+    pub transport: Option<Transport>,
+}
+
+impl TrainArgs {
+    /// The `--set` overrides the dedicated flags stand for.
+    fn flag_overrides(&self) -> Vec<String> {
+        let quoted = |value: &str| toml::Value::String(value.to_string()).to_string();
+        let mut overrides = Vec::new();
+        let mut set = |key: &str, value: Option<String>| {
+            if let Some(value) = value {
+                overrides.push(format!("{key}={value}"));
+            }
+        };
+        set("run.init_from", self.init_from.as_deref().map(quoted));
+        set(
+            "data.path",
+            self.data.as_ref().map(|p| quoted(&p.display().to_string())),
+        );
+        set("parallel.pp", self.pp.map(|n| n.to_string()));
+        set("train.grad_accum", self.microbatches.map(|n| n.to_string()));
+        set("parallel.schedule", self.schedule.as_deref().map(quoted));
+        set(
+            "parallel.virtual_stages",
+            self.virtual_stages.map(|n| n.to_string()),
+        );
+        set(
+            "parallel.stage_layers",
+            self.stage_layers.as_ref().map(|list| format!("{list:?}")),
+        );
+        set(
+            "parallel.transport",
+            self.transport
+                .map(|t| quoted(&format!("{t:?}").to_lowercase())),
+        );
+        overrides
+    }
 }
 
 #[derive(Debug, Args)]
@@ -202,14 +258,8 @@ fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 }
 
 fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
-    let mut overrides = args.overrides;
-    let quoted = |value: String| toml::Value::String(value).to_string();
-    if let Some(source) = args.init_from {
-        overrides.push(format!("run.init_from={}", quoted(source)));
-    }
-    if let Some(path) = args.data {
-        overrides.push(format!("data.path={}", quoted(path.display().to_string())));
-    }
+    let mut overrides = args.overrides.clone();
+    overrides.extend(args.flag_overrides());
     let given = RunConfig::load(args.config.as_deref(), &overrides)?;
     let config = match &args.resume {
         None => given,
@@ -244,7 +294,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
 }
 
 fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
-    let mut loaded = checkpoint::load(&checkpoint::resolve(&args.checkpoint)?)?;
+    let loaded = checkpoint::load(&checkpoint::resolve(&args.checkpoint)?)?;
     let config = loaded.state.model.clone();
     let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &Default::default());
     let model = loaded.apply_params(model)?;

@@ -7,6 +7,8 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use wildfire_parallel::pp::{Schedule, ScheduleKind};
+
 use crate::data::TokenizerKind;
 use crate::model::{GptConfig, Preset};
 
@@ -24,6 +26,9 @@ pub struct RunConfig {
     pub train: TrainSection,
     pub checkpoint: CheckpointSection,
     pub run: RunSection,
+    /// Absent in configs that do not parallelize (one rank).
+    #[serde(default)]
+    pub parallel: ParallelSection,
 }
 
 /// A preset plus explicit overrides; without a preset every size must be given.
@@ -100,6 +105,56 @@ pub struct RunSection {
     pub threads: Option<usize>,
     /// Start from Hugging Face GPT-2 weights: `hf:PATH/model.safetensors`.
     pub init_from: Option<String>,
+}
+
+/// How the run is spread over ranks. The pipeline's micro-batches are the step's accumulation
+/// micro-batches: `train.grad_accum` of `train.micro_batch` sequences each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelSection {
+    /// Pipeline-parallel ranks.
+    pub pp: usize,
+    /// Model chunks per pipeline rank (more than 1 needs the interleaved schedule).
+    pub virtual_stages: usize,
+    /// Pipeline schedule: `gpipe`, `1f1b` or `interleaved`.
+    pub schedule: String,
+    /// Blocks of each stage (`pp × virtual_stages` entries, in stage order); empty spreads the
+    /// blocks as evenly as possible.
+    pub stage_layers: Vec<usize>,
+    /// `local` runs every rank as a thread of this process; `launch` (the default) joins the
+    /// job `wildfire launch` (or torchrun, Slurm, MPI) describes, one rank per process.
+    pub transport: Transport,
+}
+
+/// Where the ranks of a run live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Transport {
+    /// One process per rank, from the launch environment.
+    Launch,
+    /// Every rank a thread of this process.
+    Local,
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        Self {
+            pp: 1,
+            virtual_stages: 1,
+            schedule: "1f1b".into(),
+            stage_layers: Vec::new(),
+            transport: Transport::Launch,
+        }
+    }
+}
+
+impl ParallelSection {
+    /// The schedule kind named by `schedule`.
+    pub fn schedule_kind(&self) -> anyhow::Result<ScheduleKind> {
+        self.schedule
+            .parse()
+            .with_context(|| format!("parallel.schedule = {:?}", self.schedule))
+    }
 }
 
 impl RunConfig {
@@ -221,6 +276,14 @@ impl RunConfig {
         if self.run.threads == Some(0) {
             bail!("run.threads must be at least 1, got 0");
         }
+        let parallel = &self.parallel;
+        Schedule::validate(
+            parallel.schedule_kind()?,
+            parallel.pp,
+            parallel.virtual_stages,
+            train.grad_accum,
+        )
+        .context("parallel.pp, parallel.virtual_stages and train.grad_accum (the micro-batches)")?;
         Ok(())
     }
 }

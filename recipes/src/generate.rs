@@ -27,7 +27,7 @@ pub fn load_model<B: Backend>(
     path: &Path,
     device: &B::Device,
 ) -> anyhow::Result<(Gpt<B>, Tokenizer, GptConfig)> {
-    let mut loaded = checkpoint::load(&checkpoint::resolve(path)?)?;
+    let loaded = checkpoint::load(&checkpoint::resolve(path)?)?;
     let config = loaded.state.model.clone();
     let model = Gpt::<B>::new(&config, StageSpec::whole(&config), device);
     let model = loaded.apply_params(model)?;

@@ -206,10 +206,24 @@ pub fn grad_sum_of_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
 ) -> f64 {
+    grad_sum_of_squares_except(module, grads, &[])
+}
+
+/// [`grad_sum_of_squares`] without the parameters `skip` (e.g. a copy of a parameter that
+/// another rank counts).
+pub fn grad_sum_of_squares_except<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    skip: &[ParamId],
+) -> f64 {
     let mut total = 0.0;
     module.visit(&mut GradVisitor {
         grads,
-        each: |_, squares| total += squares,
+        each: |id, squares| {
+            if !skip.contains(&id) {
+                total += squares;
+            }
+        },
     });
     total
 }
@@ -224,7 +238,20 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     max_norm: f64,
 ) -> f64 {
-    let norm = grad_sum_of_squares(module, grads).sqrt();
+    let squares = grad_sum_of_squares(module, grads);
+    clip_to_norm(module, grads, max_norm, squares)
+}
+
+/// [`clip_global_norm`] when the model is spread over ranks: `sum_of_squares` is `Σ_p ‖g_p‖²`
+/// over the *whole* model (every rank's share, each parameter counted once), and `module` and
+/// `grads` are this rank's part. Returns the global norm.
+pub fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+    sum_of_squares: f64,
+) -> f64 {
+    let norm = sum_of_squares.sqrt();
     let factor = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && factor < 1.0 {
         scale_grads(module, grads, factor);

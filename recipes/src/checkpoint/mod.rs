@@ -6,6 +6,7 @@
 //! global names (`blocks.3.mlp.c_fc.weight`); AdamW's moments under `optim.exp_avg.<name>` and
 //! `optim.exp_avg_sq.<name>`, PyTorch's names for them.
 
+mod distributed;
 pub mod store;
 
 use std::collections::BTreeMap;
@@ -21,8 +22,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
-use crate::model::params::{ParamFn, collect_params, for_each_param, load_params};
-use crate::model::{Gpt, GptConfig};
+use wildfire_backend::comm::ProcessGroup;
+
+use crate::model::params::{ParamFn, collect_params, load_params, param_names};
+use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW};
 use store::{Dtype, TensorSlice};
 
@@ -97,9 +100,13 @@ fn to_data(slice: TensorSlice) -> anyhow::Result<(String, TensorData)> {
     ))
 }
 
-/// AdamW moments of every parameter that has them, as named tensors plus step counts.
+type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
+type ChunksRecord<B> = <ChunksOptimizer<B> as Optimizer<GptChunks<B>, B>>::Record;
+
+/// AdamW moments of every parameter that has them, as named tensors plus step counts. The tied
+/// copy of the token embedding is skipped: its moments equal the embedding's.
 struct CollectMoments<'a, B: AutodiffBackend> {
-    records: &'a <GptOptimizer<Gpt<B>, B> as Optimizer<Gpt<B>, B>>::Record,
+    records: &'a ChunksRecord<B>,
     tensors: Vec<(String, TensorData)>,
     steps: BTreeMap<String, usize>,
 }
@@ -109,6 +116,9 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
         let Some(record) = self.records.get(&param.id) else {
             return;
         };
+        if name == TIED_COPY {
+            return;
+        }
         let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
         let momentum = state.momentum;
         self.tensors
@@ -119,12 +129,15 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
     }
 }
 
-/// Writes a committed checkpoint of `model`, `optimizer` and `state` under `root`.
+/// Writes a committed checkpoint of this rank's `model` chunks, their `optimizer` moments and
+/// `state` under `root`: every rank of `world` writes its own shard (the tensors it holds, by
+/// global name), and rank 0 commits once all are written. Returns the directory.
 pub fn save<B: AutodiffBackend>(
     root: &Path,
-    model: &Gpt<B>,
-    optimizer: &GptOptimizer<Gpt<B>, B>,
+    model: &GptChunks<B>,
+    optimizer: &ChunksOptimizer<B>,
     mut state: TrainState,
+    world: &ProcessGroup,
 ) -> anyhow::Result<PathBuf> {
     let records = optimizer.to_record();
     let mut moments = CollectMoments::<B> {
@@ -132,22 +145,48 @@ pub fn save<B: AutodiffBackend>(
         tensors: Vec::new(),
         steps: BTreeMap::new(),
     };
-    for_each_param(model, model.first_block, &mut moments);
-    state.optimizer_steps = moments.steps;
-    let params = collect_params(model, model.first_block)
-        .into_iter()
+    model.for_each_param(&mut moments);
+    let params = model
+        .chunks
+        .iter()
+        .flat_map(|chunk| collect_params(chunk, chunk.first_block))
+        .filter(|(name, _, _)| name != TIED_COPY)
         .map(|(name, _, data)| (name, data));
     let slices = params
         .chain(moments.tensors)
         .map(|(name, data)| to_slice(name, data))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let dir = store::write_checkpoint(
-        root,
-        state.step,
-        &[(0, slices)],
-        serde_json::to_value(&state)?,
-    )?;
-    Ok(dir)
+    // Every rank's moment step counts go into the one manifest.
+    state.optimizer_steps = gather_steps(world, moments.steps)?;
+    if world.size() == 1 {
+        let state = serde_json::to_value(&state)?;
+        return Ok(store::write_checkpoint(
+            root,
+            state_step(&state),
+            &[(0, slices)],
+            state,
+        )?);
+    }
+    distributed::save(root, world, &slices, serde_json::to_value(&state)?)
+}
+
+fn state_step(state: &serde_json::Value) -> u64 {
+    state["step"].as_u64().unwrap_or_default()
+}
+
+/// The union of every rank's `steps` (AdamW step counts by parameter name).
+fn gather_steps(
+    world: &ProcessGroup,
+    steps: BTreeMap<String, usize>,
+) -> anyhow::Result<BTreeMap<String, usize>> {
+    if world.size() == 1 {
+        return Ok(steps);
+    }
+    let mut all = BTreeMap::new();
+    for part in distributed::all_gather_json(world, &steps)? {
+        all.extend(part);
+    }
+    Ok(all)
 }
 
 /// A checkpoint read back: its state, parameters and optimizer moments by name.
@@ -199,40 +238,66 @@ pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 impl Loaded {
-    /// `model` with the checkpoint's parameters (ids kept).
-    pub fn apply_params<B: Backend>(&mut self, model: Gpt<B>) -> anyhow::Result<Gpt<B>> {
+    /// `model` (a whole model or one stage of one) with the checkpoint's parameters (ids
+    /// kept). Only the names the model holds are taken, so a checkpoint of any pipeline
+    /// layout loads into any other; the tied copy of the token embedding is the embedding.
+    pub fn apply_params<B: Backend>(&self, model: Gpt<B>) -> anyhow::Result<Gpt<B>> {
         let source = format!("checkpoint {}", self.dir.display());
         let first = model.first_block;
-        Ok(load_params(
-            model,
-            first,
-            std::mem::take(&mut self.params),
-            &source,
-        )?)
+        let mut needed = BTreeMap::new();
+        for name in param_names(&model, first) {
+            let stored = if name == TIED_COPY {
+                TOKEN_EMBEDDING
+            } else {
+                &name
+            };
+            if let Some(data) = self.params.get(stored) {
+                needed.insert(name, data.clone());
+            }
+        }
+        Ok(load_params(model, first, needed, &source)?)
+    }
+
+    /// Every chunk with the checkpoint's parameters (see [`Loaded::apply_params`]).
+    pub fn apply_params_to_chunks<B: Backend>(
+        &self,
+        model: GptChunks<B>,
+    ) -> anyhow::Result<GptChunks<B>> {
+        let chunks = model
+            .chunks
+            .into_iter()
+            .map(|chunk| self.apply_params(chunk))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(GptChunks { chunks })
     }
 
     /// Restores AdamW's moments onto `optimizer`, keyed by the ids of `model`'s parameters.
     pub fn apply_moments<B: AutodiffBackend>(
-        &mut self,
-        model: &Gpt<B>,
-        optimizer: &GptOptimizer<Gpt<B>, B>,
+        &self,
+        model: &GptChunks<B>,
+        optimizer: &ChunksOptimizer<B>,
     ) -> anyhow::Result<()> {
         struct Restore<'a, B: AutodiffBackend> {
-            loaded: &'a mut Loaded,
-            records: <GptOptimizer<Gpt<B>, B> as Optimizer<Gpt<B>, B>>::Record,
+            loaded: &'a Loaded,
+            records: ChunksRecord<B>,
             error: Option<anyhow::Error>,
         }
         impl<B: AutodiffBackend> ParamFn<B> for Restore<'_, B> {
             fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                let Some(&time) = self.loaded.state.optimizer_steps.get(name) else {
+                let stored = if name == TIED_COPY {
+                    TOKEN_EMBEDDING
+                } else {
+                    name
+                };
+                let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
                     return;
                 };
                 let value = param.val().inner();
                 let (device, shape) = (value.device(), value.dims());
-                let mut take = |prefix: &str| {
-                    let data = self.loaded.moments.remove(&format!("{prefix}{name}"))?;
+                let take = |prefix: &str| {
+                    let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
                     (data.shape.as_slice() == shape.as_slice())
-                        .then(|| Tensor::<B::InnerBackend, D>::from_data(data, &device))
+                        .then(|| Tensor::<B::InnerBackend, D>::from_data(data.clone(), &device))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(m1), Some(m2)) => {
@@ -245,7 +310,7 @@ impl Loaded {
                     _ => {
                         self.error.get_or_insert_with(|| {
                             anyhow::anyhow!(
-                                "optimizer moments of {name} are missing from the checkpoint, \
+                                "optimizer moments of {stored} are missing from the checkpoint, \
                                  or do not have the parameter's shape {shape:?}"
                             )
                         });
@@ -258,7 +323,7 @@ impl Loaded {
             records: Default::default(),
             error: None,
         };
-        for_each_param(model, model.first_block, &mut restore);
+        model.for_each_param(&mut restore);
         if let Some(error) = restore.error {
             return Err(error);
         }

@@ -25,6 +25,8 @@ pub struct StepOutput {
     pub grad_norm: Option<f64>,
     pub tokens_per_sec: Option<f64>,
     pub mfu: Option<f64>,
+    /// The largest measured pipeline bubble over the ranks (pipeline runs only).
+    pub bubble: Option<f64>,
 }
 
 impl ItemLazy for StepOutput {
@@ -136,6 +138,9 @@ field!(GradNorm, "Grad norm", None, false, |o| o.grad_norm);
 field!(TokensPerSec, "Throughput", Some("tok/s"), true, |o| o
     .tokens_per_sec);
 field!(Mfu, "MFU", Some("%"), true, |o| o.mfu.map(|m| 100.0 * m));
+field!(Bubble, "Bubble", Some("%"), false, |o| o
+    .bubble
+    .map(|b| 100.0 * b));
 
 fn batch_mean(output: &StepOutput) -> Option<f64> {
     (output.tokens > 0).then(|| output.loss_sum / output.tokens as f64)

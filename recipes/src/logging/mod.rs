@@ -6,6 +6,6 @@ mod render;
 mod sink;
 pub mod tensorboard;
 
-pub use metrics::{GradNorm, Loss, Mfu, StepOutput, StepScalar, TokensPerSec};
+pub use metrics::{Bubble, GradNorm, Loss, Mfu, StepOutput, StepScalar, TokensPerSec};
 pub use render::LogRenderer;
-pub use sink::{MetricsSink, StepRecord};
+pub use sink::{MetricsSink, PipelineRecord, StepRecord};

@@ -13,6 +13,8 @@ use burn::train::renderer::{
 /// Prints `step 120/1000 | Loss 2.103 | Learning Rate 9.800e-4 | …` every `every` steps.
 #[derive(Debug)]
 pub struct LogRenderer {
+    /// Print nothing (ranks other than 0 of a parallel run).
+    quiet: bool,
     every: usize,
     /// Printed after the metrics: "MFU n/a" when the device's peak is unknown.
     suffix: &'static str,
@@ -26,6 +28,7 @@ impl LogRenderer {
     /// `mfu_known`: whether an MFU metric is registered; without one the line says "MFU n/a".
     pub fn new(every: usize, mfu_known: bool) -> Self {
         Self {
+            quiet: false,
             every: every.max(1),
             suffix: if mfu_known { "" } else { " | MFU n/a" },
             names: BTreeMap::new(),
@@ -36,6 +39,14 @@ impl LogRenderer {
     }
 
     /// Keeps the metric's current value (numeric) or its formatted text (others).
+    /// A renderer that prints nothing: for the ranks of a parallel run other than rank 0.
+    pub fn quiet() -> Self {
+        Self {
+            quiet: true,
+            ..Self::new(1, true)
+        }
+    }
+
     fn remember(values: &mut BTreeMap<String, String>, state: MetricState) {
         let (key, text) = match state {
             MetricState::Numeric(entry, value) => {
@@ -103,6 +114,9 @@ impl MetricsRendererTraining for LogRenderer {
         let (Some(step), Some(progress)) = (item.iteration, item.progress) else {
             return;
         };
+        if self.quiet {
+            return;
+        }
         if step % self.every == 0 || step + 1 == progress.items_total {
             let line = self.line(&self.train);
             println!(
@@ -113,7 +127,7 @@ impl MetricsRendererTraining for LogRenderer {
     }
 
     fn render_valid(&mut self, item: TrainingProgress, _indicators: Vec<ProgressType>) {
-        if let Some(step) = item.iteration {
+        if let Some(step) = item.iteration.filter(|_| !self.quiet) {
             println!("eval at step {step} | {}", self.line(&self.valid));
         }
     }

@@ -23,6 +23,20 @@ pub struct StepRecord {
     /// Model FLOPs utilisation in [0, 1]; absent when the device peak is unknown.
     pub mfu: Option<f64>,
     pub step_time_ms: f64,
+    /// Pipeline measurements, when the run has more than one stage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineRecord>,
+}
+
+/// What a pipeline step measured on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PipelineRecord {
+    /// Idle time / step time, per pipeline rank.
+    pub bubble: Vec<f64>,
+    /// The schedule's ideal bubble: (p−1)/(m+p−1), or (p−1)/(v·m+p−1) interleaved.
+    pub bubble_theory: f64,
+    /// Most stored activations (forwards awaiting their backward), per pipeline rank.
+    pub peak_activations: Vec<usize>,
 }
 
 /// Appends metrics to `metrics.jsonl` and to the TensorBoard event file of a run directory.
@@ -75,6 +89,26 @@ impl MetricsSink {
             .add_scalar("train/tokens_per_sec", record.tokens_per_sec as f32, step)?;
         if let Some(mfu) = record.mfu {
             self.events.add_scalar("train/mfu", mfu as f32, step)?;
+        }
+        if let Some(pipeline) = &record.pipeline {
+            self.events.add_scalar(
+                "pipeline/bubble_theory",
+                pipeline.bubble_theory as f32,
+                step,
+            )?;
+            for (rank, (bubble, peak)) in pipeline
+                .bubble
+                .iter()
+                .zip(&pipeline.peak_activations)
+                .enumerate()
+            {
+                let (bubble_tag, peak_tag) = (
+                    format!("pipeline/bubble/rank{rank}"),
+                    format!("pipeline/peak_activations/rank{rank}"),
+                );
+                self.events.add_scalar(&bubble_tag, *bubble as f32, step)?;
+                self.events.add_scalar(&peak_tag, *peak as f32, step)?;
+            }
         }
         let mut line = serde_json::to_value(record)?;
         line["kind"] = "train".into();

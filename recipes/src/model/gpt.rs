@@ -5,7 +5,7 @@
 //! …) so that importing and exporting weights is a rename of the block prefix and of LayerNorm's
 //! gamma/beta. Linear weights are stored `[in, out]` (Burn's row layout, like GPT-2's Conv1D).
 
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
     Linear, LinearConfig,
@@ -64,7 +64,16 @@ pub struct Block<B: Backend> {
 pub struct Head<B: Backend> {
     pub ln_f: LayerNorm<B>,
     pub lm_head: Option<Linear<B>>,
+    /// A tied head on another pipeline stage than the embedding: its own copy of `wte`
+    /// (`[V, d]`, named [`TIED_COPY`]). Both copies start equal and receive the sum of their two
+    /// gradients, so they stay equal; checkpoints store only `embeddings.wte.weight`.
+    pub wte: Option<Param<Tensor<B, 2>>>,
 }
+
+/// Name of the head's copy of a tied token embedding (see [`Head::wte`]).
+pub const TIED_COPY: &str = "head.wte";
+/// Name of the token embedding, which the tied copy mirrors.
+pub const TOKEN_EMBEDDING: &str = "embeddings.wte.weight";
 
 /// A GPT, or the part of one that a pipeline stage holds.
 #[derive(Module, Debug)]
@@ -92,6 +101,17 @@ fn linear<B: Backend>(
         .init(device);
     layer.bias = layer.bias.map(|b| Param::from_tensor(b.val().zeros_like()));
     layer
+}
+
+/// Draws every lazily initialised parameter (Burn initialises a parameter on its first use) in
+/// module order, so that a model depends only on the RNG state when it was built: not on which
+/// parameters a pipeline stage happens to use first, nor on other RNG users in between.
+struct DrawNow;
+
+impl<B: Backend> ModuleVisitor<B> for DrawNow {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        param.val();
+    }
 }
 
 fn layer_norm<B: Backend>(config: &GptConfig, device: &B::Device) -> LayerNorm<B> {
@@ -219,13 +239,52 @@ impl<B: Backend> Gpt<B> {
             ln_f: layer_norm(config, device),
             lm_head: (!config.tie_embeddings)
                 .then(|| linear([config.d_model, config.vocab_size], false, INIT_STD, device)),
+            wte: None,
         });
-        Self {
+        let model = Self {
             embeddings,
             blocks,
             head,
             first_block: stage.first_block,
-        }
+        };
+        model.visit(&mut DrawNow);
+        model
+    }
+
+    /// Cuts the whole model into the pipeline stages `stages` (contiguous, in order, covering
+    /// every block once), moving each part rather than drawing it again: stage models equal
+    /// the corresponding parts of the serial model with the same seed, bitwise. A tied head that
+    /// lands on another stage than the embedding gets its own copy of `wte` ([`Head::wte`]).
+    pub fn split(self, stages: &[StageSpec]) -> Vec<Self> {
+        let tied_copy = match (&self.embeddings, &self.head) {
+            (Some(embeddings), Some(head)) if head.lm_head.is_none() => {
+                Some(embeddings.wte.weight.val())
+            }
+            _ => None,
+        };
+        let (mut embeddings, mut head) = (self.embeddings, self.head);
+        let mut blocks = self.blocks.into_iter();
+        stages
+            .iter()
+            .map(|stage| {
+                let mut stage_head = if stage.head { head.take() } else { None };
+                if let Some(head) = &mut stage_head
+                    && !stage.embedding
+                {
+                    head.wte = tied_copy.clone().map(Param::from_tensor);
+                }
+                Self {
+                    embeddings: if stage.embedding {
+                        embeddings.take()
+                    } else {
+                        None
+                    },
+                    blocks: blocks.by_ref().take(stage.n_blocks).collect(),
+                    head: stage_head,
+                    first_block: stage.first_block,
+                }
+            })
+            .collect()
     }
 
     /// Token ids `[batch, seq]` → residual stream `[batch, seq, d]`.
@@ -252,18 +311,15 @@ impl<B: Backend> Gpt<B> {
             .as_ref()
             .expect("logits() on a stage without the head");
         let x = head.ln_f.forward(x);
-        match &head.lm_head {
-            Some(lm_head) => lm_head.forward(x),
-            None => {
-                let wte = &self
-                    .embeddings
-                    .as_ref()
-                    .expect("a tied head needs the token embedding on its stage")
-                    .wte
-                    .weight;
-                x.matmul(wte.val().transpose().unsqueeze())
-            }
+        if let Some(lm_head) = &head.lm_head {
+            return lm_head.forward(x);
         }
+        let wte = match (&head.wte, &self.embeddings) {
+            (Some(copy), _) => copy,
+            (None, Some(embeddings)) => &embeddings.wte.weight,
+            (None, None) => unreachable!("split() gives a tied head without the embedding a copy"),
+        };
+        x.matmul(wte.val().transpose().unsqueeze())
     }
 
     /// Logits of the whole model.

@@ -8,12 +8,14 @@
 //! - every linear layer is built by one function (`gpt::linear`), named by its parameter path,
 //!   the place where a tensor-parallel plan will substitute sharded layers.
 
+mod chunks;
 mod gpt;
 pub mod params;
 
+pub use chunks::{GptChunks, stage_specs};
 pub use gpt::{
-    Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, causal_attention, cross_entropy_sum,
-    gelu_tanh,
+    Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, TIED_COPY, TOKEN_EMBEDDING,
+    causal_attention, cross_entropy_sum, gelu_tanh,
 };
 
 use serde::{Deserialize, Serialize};

@@ -95,6 +95,19 @@ pub fn collect_params<B: Backend, M: Module<B>>(
     collect.0
 }
 
+/// The global names of every float parameter, in module order.
+pub fn param_names<B: Backend, M: Module<B>>(module: &M, first_block: usize) -> Vec<String> {
+    struct Names(Vec<String>);
+    impl<B: Backend> ParamFn<B> for Names {
+        fn visit<const D: usize>(&mut self, name: &str, _: &Param<Tensor<B, D>>) {
+            self.0.push(name.to_string());
+        }
+    }
+    let mut names = Names(Vec::new());
+    for_each_param(module, first_block, &mut names);
+    names.0
+}
+
 /// Why a set of named tensors does not fit a module.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum LoadError {

@@ -8,9 +8,11 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
 
+use wildfire_parallel::pp::PipelineChunk;
+
 use crate::data::Sampler;
 use crate::logging::StepOutput;
-use crate::model::{Gpt, cross_entropy_sum};
+use crate::model::{Gpt, GptChunks, cross_entropy_sum};
 
 /// Input windows `[batch, context]`, their next-token targets, and the factor that turns this
 /// batch's summed loss into its share of the step's mean: `1 / (tokens in the whole step)`.
@@ -50,11 +52,14 @@ impl<B: Backend> TokenBatch<B> {
 }
 
 /// The summed token loss of a batch (a one-element tensor) and its token count.
-fn batch_loss<B: Backend>(model: &Gpt<B>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, usize) {
+fn batch_loss<B: Backend>(model: &GptChunks<B>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, usize) {
     cross_entropy_sum(model.forward(batch.inputs.clone()), batch.targets.clone())
 }
 
-impl<B: AutodiffBackend> TrainStep for Gpt<B> {
+/// burn-train's single-device step, for a rank that holds every stage. The recipe's loop runs
+/// its steps through the pipeline executor instead (see [`PipelineChunk`] below), which does the
+/// same arithmetic on one rank.
+impl<B: AutodiffBackend> TrainStep for GptChunks<B> {
     type Input = TokenBatch<B>;
     type Output = StepOutput;
 
@@ -76,7 +81,7 @@ impl<B: AutodiffBackend> TrainStep for Gpt<B> {
     }
 }
 
-impl<B: Backend> InferenceStep for Gpt<B> {
+impl<B: Backend> InferenceStep for GptChunks<B> {
     type Input = TokenBatch<B>;
     type Output = StepOutput;
 
@@ -87,6 +92,24 @@ impl<B: Backend> InferenceStep for Gpt<B> {
             tokens,
             ..Default::default()
         }
+    }
+}
+
+/// A GPT stage in the pipeline: the first stage embeds the batch's inputs, the last applies the
+/// head and scores the targets. The loss to backpropagate is `loss_scale · Σ token losses`, the
+/// value reported is `Σ token losses`.
+impl<B: Backend> PipelineChunk<B> for Gpt<B> {
+    type Batch = TokenBatch<B>;
+
+    fn forward(&self, input: Option<Tensor<B, 3>>, batch: &TokenBatch<B>) -> Tensor<B, 3> {
+        let x = input.unwrap_or_else(|| self.embed(batch.inputs.clone()));
+        self.run_blocks(x)
+    }
+
+    fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, f64) {
+        let (loss_sum, _) = cross_entropy_sum(self.logits(output), batch.targets.clone());
+        let value = loss_sum.clone().into_scalar().elem::<f64>();
+        (loss_sum * batch.loss_scale, value)
     }
 }
 

@@ -5,11 +5,18 @@
 //! for s in start..max_steps:
 //!     reseed the backend RNG from (seed, s)                     # dropout, resumable
 //!     draw the step's global batch; cut it into grad_accum micro-batches
-//!     for each micro-batch: backward of (Σ token losses) / (tokens in the whole step)
-//!     sum the micro-batch gradients; clip by the global norm
-//!     AdamW step at lr(s); log loss, lr, grad norm, tokens/s, MFU
+//!     run the pipeline schedule over them: each micro-batch's backward starts from
+//!         (Σ token losses) / (tokens in the whole step)
+//!     sum the micro-batch gradients; clip by the global norm (over every rank)
+//!     AdamW step at lr(s); log loss, lr, grad norm, tokens/s, MFU (and the pipeline's bubble)
 //!     every eval_every steps: validation loss; every checkpoint.every steps: checkpoint
 //! ```
+//!
+//! Every run goes through the pipeline executor: without pipeline parallelism the schedule is
+//! one stage on one rank (forward, backward, per micro-batch), the same arithmetic as a plain
+//! loop. With `parallel.pp > 1` each rank holds its stages' chunks, every rank draws the same
+//! batches (the first stage reads the inputs, the last the targets), and the tied embedding's
+//! two copies (first and last stage) get the sum of their gradients.
 
 mod batch;
 mod setup;
@@ -27,20 +34,27 @@ use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::EventProcessorTraining;
 use burn::train::{
-    InferenceStep, Learner, LearnerEvent, LearningComponentsMarker, SupervisedLearningStrategy,
+    Learner, LearnerEvent, LearningComponentsMarker, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader as BurnTrainLoader, TrainingComponents,
     TrainingItem, ValidLoader,
 };
 
+use anyhow::bail;
+use burn::optim::GradientsParams;
+use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
+use wildfire_parallel::mesh::PipelinePlan;
+use wildfire_parallel::pp::{StepStats, run_forward, run_step};
+
 use crate::checkpoint::{self, TrainState};
 use crate::data::{Sampler, SplitMix64};
-use crate::logging::{MetricsSink, StepOutput, StepRecord};
-use crate::model::Gpt;
-use crate::optim::{GptOptimizer, WarmupCosine, clip_global_norm};
+use crate::logging::{MetricsSink, PipelineRecord, StepOutput, StepRecord};
+use crate::model::GptChunks;
+use crate::optim::{GptOptimizer, WarmupCosine, clip_to_norm, grad_sum_of_squares_except};
 
-/// burn-train's components for the GPT recipe on backend `B`.
+/// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
+/// holds.
 pub type GptComponents<B> =
-    LearningComponentsMarker<B, WarmupCosine, Gpt<B>, GptOptimizer<Gpt<B>, B>>;
+    LearningComponentsMarker<B, WarmupCosine, GptChunks<B>, GptOptimizer<GptChunks<B>, B>>;
 
 /// The fixed settings of a run's loop.
 #[derive(Debug, Clone)]
@@ -58,16 +72,28 @@ pub struct LoopSettings {
     pub peak_flops: Option<f64>,
 }
 
+/// A rank's place in the run: the world (the pipeline group: group rank = pipeline rank), the
+/// checked pipeline, and the pair of ranks that hold the tied embedding's two copies when those
+/// differ.
+#[derive(Debug)]
+pub struct RankContext {
+    pub world: ProcessGroup,
+    pub plan: PipelinePlan,
+    pub tie_group: Option<ProcessGroup>,
+}
+
 /// The step-based learning strategy. Besides what burn-train hands to `fit`, it holds the shared
 /// handles it checkpoints (optimizer, sampler) and the metric files.
 pub struct StepLoop<B: AutodiffBackend> {
     pub settings: LoopSettings,
-    pub optimizer: GptOptimizer<Gpt<B>, B>,
+    pub optimizer: GptOptimizer<GptChunks<B>, B>,
     pub sampler: Arc<Mutex<Sampler>>,
-    pub sink: Mutex<MetricsSink>,
+    /// Metric files, on rank 0 only.
+    pub sink: Option<Mutex<MetricsSink>>,
     /// Checkpoint template: everything but the step-dependent fields.
     pub state: TrainState,
     pub checkpoint_root: PathBuf,
+    pub rank: RankContext,
     /// The first error of the loop (a checkpoint or a metrics write that failed); the loop
     /// stops at it and `run` returns it.
     pub error: Mutex<Option<anyhow::Error>>,
@@ -95,27 +121,42 @@ impl<B: AutodiffBackend> StepLoop<B> {
         learner: &mut Learner<GptComponents<B>>,
         batches: &mut dyn Iterator<Item = TokenBatch<B>>,
         step: u64,
-    ) -> StepOutput {
+    ) -> anyhow::Result<(StepOutput, Option<PipelineRecord>)> {
         let started = Instant::now();
-        let device = learner.model().devices()[0].clone();
+        let model = learner.model();
+        let device = model.devices()[0].clone();
         B::seed(&device, step_seed(self.settings.seed, step));
         let mut micro: Vec<TokenBatch<B>> = batches.take(self.settings.grad_accum).collect();
         let tokens: usize = micro.iter().map(TokenBatch::tokens).sum();
-        learner.lr_step();
-        let mut accumulator = GradientsAccumulator::new();
-        let mut loss_sum = 0.0;
-        for mut batch in micro.drain(..) {
+        for batch in &mut micro {
             batch.loss_scale = 1.0 / tokens as f64;
-            let output = learner.train_step(batch);
-            loss_sum += output.item.loss_sum;
-            accumulator.accumulate(&learner.model(), output.grads);
+        }
+        learner.lr_step();
+        let rank = &self.rank;
+        let result = run_step(
+            &rank.plan.schedule,
+            rank.world.rank(),
+            &rank.world,
+            &model.chunks,
+            &micro,
+            &device,
+        )?;
+        let mut accumulator = GradientsAccumulator::new();
+        for grads in result.grads {
+            accumulator.accumulate(&model, grads);
         }
         let mut grads = accumulator.grads();
-        let grad_norm = clip_global_norm(&learner.model(), &mut grads, self.settings.grad_clip);
+        self.sum_tied_embedding(&model, &mut grads)?;
+        let (_, tied_copy) = model.tied_embedding_ids();
+        let squares = grad_sum_of_squares_except(&model, &grads, tied_copy.as_slice());
+        let squares = self.world_sum(squares)?;
+        let grad_norm = clip_to_norm(&model, &mut grads, self.settings.grad_clip, squares);
         learner.optimizer_step(grads);
+        let loss_sum = self.world_sum(result.stats.loss)?;
+        let pipeline = self.pipeline_record(&result.stats)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
-        StepOutput {
+        let output = StepOutput {
             loss_sum,
             tokens,
             step_loss: Some(loss_sum / tokens as f64),
@@ -125,24 +166,105 @@ impl<B: AutodiffBackend> StepLoop<B> {
                 .settings
                 .peak_flops
                 .map(|peak| self.settings.flops_per_token * tokens_per_sec / peak),
-        }
+            bubble: pipeline
+                .as_ref()
+                .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
+        };
+        Ok((output, pipeline))
     }
 
-    /// Mean validation loss per token over the evaluation batches.
-    fn evaluate(&self, model: &Gpt<B>, valid: &ValidLoader<GptComponents<B>>) -> StepOutput {
-        let model = burn::module::AutodiffModule::valid(model);
-        let (mut loss_sum, mut tokens) = (0.0, 0);
-        for batch in valid.iter() {
-            let output = InferenceStep::step(&model, batch);
-            loss_sum += output.loss_sum;
-            tokens += output.tokens;
+    /// Gives both copies of a tied embedding (first stage's `wte`, last stage's head copy) the
+    /// sum of their gradients: `∂L/∂wte = ∂L/∂wte|embedding + ∂L/∂wte|head`, in that order.
+    fn sum_tied_embedding(
+        &self,
+        model: &GptChunks<B>,
+        grads: &mut GradientsParams,
+    ) -> anyhow::Result<()> {
+        let (embedding, copy) = model.tied_embedding_ids();
+        match (embedding, copy, &self.rank.tie_group) {
+            (Some(embedding), Some(copy), _) => {
+                let (Some(a), Some(b)) = (
+                    grads.remove::<B::InnerBackend, 2>(embedding),
+                    grads.remove::<B::InnerBackend, 2>(copy),
+                ) else {
+                    bail!("the tied embedding has no gradient on one of its copies");
+                };
+                let sum = a + b;
+                grads.register(embedding, sum.clone());
+                grads.register(copy, sum);
+            }
+            (Some(id), None, Some(group)) | (None, Some(id), Some(group)) => {
+                let Some(grad) = grads.remove::<B::InnerBackend, 2>(id) else {
+                    bail!("the tied embedding's copy on this rank has no gradient");
+                };
+                grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
+            }
+            _ => {}
         }
-        StepOutput {
+        Ok(())
+    }
+
+    /// `value` summed over every rank (itself on one rank).
+    fn world_sum(&self, value: f64) -> anyhow::Result<f64> {
+        let world = &self.rank.world;
+        if world.size() == 1 {
+            return Ok(value);
+        }
+        let summed = world.all_reduce_host(HostTensor::new(vec![value], vec![1]), ReduceOp::Sum)?;
+        Ok(summed.data[0])
+    }
+
+    /// Every rank's bubble and peak activations, next to the schedule's theory (pipelines only).
+    fn pipeline_record(&self, stats: &StepStats) -> anyhow::Result<Option<PipelineRecord>> {
+        let world = &self.rank.world;
+        if world.size() == 1 && self.rank.plan.schedule.virtual_stages == 1 {
+            return Ok(None);
+        }
+        let mine = HostTensor::new(
+            vec![stats.bubble(), stats.peak_activations as f64],
+            vec![1, 2],
+        );
+        let all = world.all_gather_host(mine, 0)?;
+        Ok(Some(PipelineRecord {
+            bubble: all.data.iter().step_by(2).copied().collect(),
+            bubble_theory: self.rank.plan.schedule.theoretical_bubble(),
+            peak_activations: all
+                .data
+                .iter()
+                .skip(1)
+                .step_by(2)
+                .map(|&p| p as usize)
+                .collect(),
+        }))
+    }
+
+    /// Mean validation loss per token over the evaluation batches (forward through the
+    /// pipeline).
+    fn evaluate(
+        &self,
+        model: &GptChunks<B>,
+        valid: &ValidLoader<GptComponents<B>>,
+    ) -> anyhow::Result<StepOutput> {
+        let model = burn::module::AutodiffModule::valid(model);
+        let batches: Vec<_> = valid.iter().collect();
+        let tokens: usize = batches.iter().map(TokenBatch::tokens).sum();
+        let device = model.devices()[0].clone();
+        let rank = &self.rank;
+        let loss_sum = run_forward(
+            rank.plan.schedule.stages,
+            rank.world.rank(),
+            &rank.world,
+            &model.chunks,
+            &batches,
+            &device,
+        )?;
+        let loss_sum = self.world_sum(loss_sum)?;
+        Ok(StepOutput {
             loss_sum,
             tokens,
             step_loss: Some(loss_sum / tokens.max(1) as f64),
             ..Default::default()
-        }
+        })
     }
 
     fn checkpoint(&self, learner: &Learner<GptComponents<B>>, step: u64) -> anyhow::Result<()> {
@@ -162,8 +284,9 @@ impl<B: AutodiffBackend> StepLoop<B> {
             &learner.model(),
             &self.optimizer,
             state,
+            &self.rank.world,
         )?;
-        if self.settings.keep_last > 0 {
+        if self.settings.keep_last > 0 && self.rank.world.rank() == 0 {
             checkpoint::store::prune(&self.checkpoint_root, self.settings.keep_last)?;
         }
         Ok(())
@@ -186,8 +309,12 @@ impl<B: AutodiffBackend> StepLoop<B> {
         }
     }
 
-    fn sink(&self) -> std::sync::MutexGuard<'_, MetricsSink> {
-        self.sink.lock().unwrap_or_else(|p| p.into_inner())
+    /// Runs `write` on the metric files (rank 0; nothing elsewhere).
+    fn to_sink(&self, write: impl FnOnce(&mut MetricsSink) -> anyhow::Result<()>) -> bool {
+        match &self.sink {
+            Some(sink) => self.log(write(&mut sink.lock().unwrap_or_else(|p| p.into_inner()))),
+            None => true,
+        }
     }
 }
 
@@ -214,12 +341,21 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
         train: BurnTrainLoader<GptComponents<B>>,
         valid: ValidLoader<GptComponents<B>>,
         _starting_epoch: usize,
-    ) -> (Gpt<B>, SupervisedTrainingEventProcessor<GptComponents<B>>) {
+    ) -> (
+        GptChunks<B>,
+        SupervisedTrainingEventProcessor<GptComponents<B>>,
+    ) {
         let mut events = components.event_processor;
         let settings = &self.settings;
         let mut batches = train.iter();
         for step in settings.start_step..settings.max_steps {
-            let output = self.step(&mut learner, &mut *batches, step);
+            let (output, pipeline) = match self.step(&mut learner, &mut *batches, step) {
+                Ok(done) => done,
+                Err(error) => {
+                    self.record_error(error.context(format!("step {step}")));
+                    break;
+                }
+            };
             let lr = learner.lr_current();
             let record = StepRecord {
                 step,
@@ -230,12 +366,13 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
                 mfu: output.mfu,
                 step_time_ms: 1e3 * output.tokens as f64
                     / output.tokens_per_sec.unwrap_or(f64::NAN),
+                pipeline,
             };
             self.losses
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(record.loss);
-            let logged = self.log(self.sink().log_step(&record));
+            let logged = self.to_sink(|sink| sink.log_step(&record));
             events.process_train(LearnerEvent::ProcessedItem(item(
                 output,
                 step,
@@ -244,11 +381,27 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
             )));
             let done = step + 1;
             let last = done == settings.max_steps;
-            let stop = components.interrupter.should_stop() || !logged;
+            // Every rank stops together: a stop request or a failed metrics write on any rank
+            // stops all of them (after the checkpoint below).
+            let stop = match self.world_sum(f64::from(u8::from(
+                components.interrupter.should_stop() || !logged,
+            ))) {
+                Ok(votes) => votes > 0.0,
+                Err(error) => {
+                    self.record_error(error);
+                    break;
+                }
+            };
             if settings.eval_every > 0 && (done % settings.eval_every == 0 || last) {
-                let eval = self.evaluate(&learner.model(), &valid);
+                let eval = match self.evaluate(&learner.model(), &valid) {
+                    Ok(eval) => eval,
+                    Err(error) => {
+                        self.record_error(error.context(format!("evaluation after step {step}")));
+                        break;
+                    }
+                };
                 let val_loss = eval.step_loss.unwrap_or(f64::NAN);
-                self.log(self.sink().log_eval(done, val_loss));
+                self.to_sink(|sink| sink.log_eval(done, val_loss));
                 events.process_valid(LearnerEvent::ProcessedItem(item(
                     eval,
                     done,

@@ -12,12 +12,17 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::LearningRateMetric;
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
-use super::{EvalLoader, GptComponents, LoopSettings, StepLoop, TrainLoader};
+use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup};
+use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
+
+use super::{EvalLoader, GptComponents, LoopSettings, RankContext, StepLoop, TrainLoader};
 use crate::checkpoint::{self, Loaded, TrainState};
-use crate::config::{RunConfig, check_same_model};
+use crate::config::{RunConfig, Transport, check_same_model};
 use crate::data::{Sampler, Splits, Tokenizer, TokenizerKind, load_text};
-use crate::logging::{GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec};
-use crate::model::{Gpt, GptConfig, StageSpec};
+use crate::logging::{
+    Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
+};
+use crate::model::{Gpt, GptChunks, GptConfig, StageSpec};
 use crate::optim::{MatrixDecayAdamW, SharedOptimizer, WarmupCosine};
 
 /// What a finished (or stopped) run reports to its caller.
@@ -125,9 +130,72 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
     Ok(toml::to_string_pretty(resolved)?)
 }
 
-/// Trains as `config` says, on backend `B`'s default device. With `resume`, continues from the
-/// newest complete checkpoint of `config.run.dir` (see [`resume_config`] for its config).
+/// Trains as `config` says, on backend `B`'s default device: on one rank, or on every rank of
+/// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
+/// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
+/// (see [`resume_config`] for its config). Returns rank 0's outcome.
 pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
+    let options = CommOptions::from_env()?;
+    match config.parallel.transport {
+        Transport::Launch => {
+            let world = ProcessGroup::init(&LaunchEnv::detect(&LaunchFlags::default())?, options)?;
+            run_rank::<B>(config, resume, world)
+        }
+        Transport::Local => {
+            let worlds = ProcessGroup::local_world(config.parallel.pp, options)?;
+            let ranks = worlds
+                .into_iter()
+                .map(|world| {
+                    let config = config.clone();
+                    std::thread::Builder::new()
+                        .name(format!("rank-{}", world.rank()))
+                        .spawn(move || run_rank::<B>(config, resume, world))
+                })
+                .collect::<std::io::Result<Vec<_>>>()?;
+            first_outcome(ranks.into_iter().map(|rank| rank.join()))
+        }
+    }
+}
+
+/// Rank 0's outcome when every rank succeeded; otherwise every failure, by rank.
+fn first_outcome(
+    results: impl Iterator<Item = std::thread::Result<anyhow::Result<TrainOutcome>>>,
+) -> anyhow::Result<TrainOutcome> {
+    let mut outcomes = Vec::new();
+    let mut failures = Vec::new();
+    for (rank, result) in results.enumerate() {
+        match result {
+            Ok(Ok(outcome)) => outcomes.push(outcome),
+            Ok(Err(error)) => failures.push(format!("rank {rank}: {error:#}")),
+            Err(_) => failures.push(format!("rank {rank}: panicked")),
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    outcomes
+        .into_iter()
+        .next()
+        .context("a parallel run with no ranks")
+}
+
+/// Ranks that are threads of one process share the backend's RNG: seeding and drawing the
+/// initial model happen under this lock, so every rank draws the same model.
+static MODEL_INIT: Mutex<()> = Mutex::new(());
+
+/// This rank's part of the run.
+fn run_rank<B: AutodiffBackend>(
+    config: RunConfig,
+    resume: bool,
+    world: ProcessGroup,
+) -> anyhow::Result<TrainOutcome> {
+    let (rank, parallel) = (world.rank(), &config.parallel);
+    let dims = ParallelDims {
+        dp: 1,
+        tp: 1,
+        pp: parallel.pp,
+    };
+    dims.validate(world.size())?;
     let run_dir = config.run.dir.clone();
     let resumed = check_run_dir(&run_dir, resume)?
         .map(|dir| checkpoint::load(&dir))
@@ -138,10 +206,29 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         splits,
     } = prepare_data(&config, resumed.as_ref())?;
     let (n_train, n_val) = (splits.train.len(), splits.val.len());
+    let plan = dims.pipeline(
+        parallel.schedule_kind()?,
+        parallel.virtual_stages,
+        config.train.grad_accum,
+        model_config.n_layer,
+        &parallel.stage_layers,
+    )?;
+    // Every rank has checked the run directory before rank 0 writes into it.
+    world.barrier()?;
 
     let device = B::Device::default();
-    B::seed(&device, config.train.seed);
-    let mut model = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device);
+    let whole = {
+        let _lock = MODEL_INIT.lock().unwrap_or_else(|p| p.into_inner());
+        B::seed(&device, config.train.seed);
+        Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
+    };
+    // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
+    world.barrier()?;
+    let whole = match (&resumed, &config.run.init_from) {
+        (None, Some(source)) => crate::hf::init_from(whole, source)?,
+        _ => whole,
+    };
+    let mut model = GptChunks::for_rank(whole, &plan.stages, dims.pp, rank);
     let optimizer =
         SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
     let mut schedule = WarmupCosine::new(&config.train);
@@ -154,23 +241,33 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         (0, 1),
     )?;
     let mut start_step = 0;
-    match (resumed, &config.run.init_from) {
-        (Some(mut loaded), _) => {
-            model = loaded.apply_params(model)?;
-            loaded.apply_moments(&model, &optimizer)?;
-            schedule.next_step = loaded.state.schedule_step;
-            sampler.seek(loaded.state.cursor);
-            start_step = loaded.state.step;
-        }
-        (None, Some(source)) => model = crate::hf::init_from(model, source)?,
-        (None, None) => {}
+    if let Some(loaded) = &resumed {
+        model = loaded.apply_params_to_chunks(model)?;
+        loaded.apply_moments(&model, &optimizer)?;
+        schedule.next_step = loaded.state.schedule_step;
+        sampler.seek(loaded.state.cursor);
+        start_step = loaded.state.step;
     }
 
-    let resolved = ResolvedConfig {
-        run: &config,
-        model: &model_config,
+    let sink = if rank == 0 {
+        let resolved = ResolvedConfig {
+            run: &config,
+            model: &model_config,
+        };
+        let config_toml = write_run_config(&run_dir, &resolved)?;
+        Some(Mutex::new(MetricsSink::open(
+            &run_dir,
+            &config_toml,
+            start_step,
+        )?))
+    } else {
+        None
     };
-    let config_toml = write_run_config(&run_dir, &resolved)?;
+    let last_rank = dims.pp - 1;
+    let tie_group =
+        (model_config.tie_embeddings && dims.pp > 1 && (rank == 0 || rank == last_rank))
+            .then(|| world.subgroup(&[0, last_rank]))
+            .transpose()?;
     let sampler = Arc::new(Mutex::new(sampler));
     let strategy = Arc::new(StepLoop {
         settings: LoopSettings {
@@ -187,7 +284,7 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         },
         optimizer: optimizer.clone(),
         sampler: sampler.clone(),
-        sink: Mutex::new(MetricsSink::open(&run_dir, &config_toml, start_step)?),
+        sink,
         state: TrainState {
             step: start_step,
             config: config.clone(),
@@ -200,6 +297,11 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
             optimizer_steps: Default::default(),
         },
         checkpoint_root: run_dir.join("checkpoints"),
+        rank: RankContext {
+            world: world.clone(),
+            plan: plan.clone(),
+            tie_group,
+        },
         error: Mutex::new(None),
         losses: Mutex::new(Vec::new()),
     });
@@ -223,8 +325,12 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         eval_batches,
         device_inner::<B>(&device),
     );
+    let burn_dir = match world.size() {
+        1 => run_dir.join("burn-train"),
+        _ => run_dir.join("burn-train").join(format!("rank-{rank}")),
+    };
     let mut training = SupervisedTraining::<GptComponents<B>>::new(
-        run_dir.join("burn-train"),
+        burn_dir,
         Arc::new(train_loader),
         Arc::new(eval_loader),
     )
@@ -239,18 +345,28 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
     if mfu_known {
         training = training.metric_train_numeric(StepScalar::<Mfu>::default());
     }
-    if !std::io::stdout().is_terminal() {
+    let pipelined = plan.schedule.num_stages() > 1;
+    if pipelined {
+        training = training.metric_train_numeric(StepScalar::<Bubble>::default());
+    }
+    if rank != 0 {
+        training = training.renderer(LogRenderer::quiet());
+    } else if !std::io::stdout().is_terminal() {
         training = training.renderer(LogRenderer::new(config.run.log_every as usize, mfu_known));
     }
-    println!(
-        "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {n_train} train / \
-         {n_val} val tokens, steps {start_step}..{max_steps}",
-        model_config.parameter_count(),
-        model_config.n_layer,
-        model_config.n_head,
-        model_config.d_model,
-        model_config.context,
-    );
+    if rank == 0 {
+        println!(
+            "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {n_train}              train / {n_val} val tokens, steps {start_step}..{max_steps}",
+            model_config.parameter_count(),
+            model_config.n_layer,
+            model_config.n_head,
+            model_config.d_model,
+            model_config.context,
+        );
+        if pipelined {
+            println!("{}", describe_pipeline(&plan));
+        }
+    }
     training.launch(Learner::new(model, optimizer, schedule));
 
     if let Some(error) = strategy
@@ -259,7 +375,7 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         .unwrap_or_else(|p| p.into_inner())
         .take()
     {
-        return Err(error);
+        return Err(error.context(format!("rank {rank}")));
     }
     let losses = std::mem::take(&mut *strategy.losses.lock().unwrap_or_else(|p| p.into_inner()));
     Ok(TrainOutcome {
@@ -267,6 +383,26 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
         steps: start_step + losses.len() as u64,
         losses,
     })
+}
+
+/// One line on the pipeline: its shape, schedule, stages and theoretical bubble.
+fn describe_pipeline(plan: &PipelinePlan) -> String {
+    let schedule = &plan.schedule;
+    let stages: Vec<String> = plan
+        .stages
+        .iter()
+        .map(|r| format!("{}..{}", r.start, r.end))
+        .collect();
+    format!(
+        "pipeline: {} ranks × {} chunks, {} schedule, {} micro-batches, blocks per stage [{}],          ideal bubble {:.1}%, peak stored activations per rank {:?}",
+        schedule.stages,
+        schedule.virtual_stages,
+        schedule.kind,
+        schedule.microbatches,
+        stages.join(", "),
+        100.0 * schedule.theoretical_bubble(),
+        plan.peak_in_flight,
+    )
 }
 
 /// The inner backend's device that corresponds to `device`.

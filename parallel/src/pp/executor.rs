@@ -1,0 +1,395 @@
+//! Running one rank's part of a checked [`Schedule`] for one optimizer step.
+//!
+//! Each rank holds its model chunks (local chunk `c` is global stage `c·pp + rank`) and walks
+//! its action list in order: receive an activation, run a forward, send the output, receive an
+//! output gradient, run a backward, send the input gradient. Sends return once queued (the host
+//! transport), which is the semantics the schedule checker proved deadlock-free.
+//!
+//! **Backward from a received gradient.** Burn starts backpropagation from a scalar. A stage
+//! whose output `y` receives the gradient `g = ∂L/∂y` from the next stage backpropagates the
+//! scalar `⟨y, g⟩ = Σ yᵢgᵢ`, with `g` a constant: `∂⟨y, g⟩/∂θ = gᵀ ∂y/∂θ = ∂L/∂θ` for every
+//! parameter θ of the stage, and the gradient reaching `y` is exactly `g` (the sum's backward
+//! passes ones, the product's multiplies them by `g`), so no rounding is added. The stage's
+//! input is a leaf that requires grad (the received activation, detached from the sender's
+//! graph); its gradient `∂L/∂x` is what goes back to the previous stage.
+//!
+//! **Accumulation and memory.** Parameter gradients of every micro-batch are summed per chunk
+//! (each micro-batch's loss is already scaled by the caller, e.g. `1/tokens of the step`). A
+//! forward's graph and its saved input live until its backward, then are dropped; the number of
+//! forwards alive at once is the "in-flight activations" the schedule bounds.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Float, Tensor};
+use wildfire_backend::comm::{CommError, ProcessGroup};
+
+use super::schedule::{Action, Schedule};
+
+/// One model chunk as the pipeline runs it: a contiguous run of a model's layers.
+pub trait PipelineChunk<B: Backend> {
+    /// A micro-batch, as every stage sees it (the first stage reads the inputs, the last the
+    /// targets).
+    type Batch;
+
+    /// The chunk's output: from the batch on the first stage (`input` is `None`), from the
+    /// previous stage's output otherwise.
+    fn forward(&self, input: Option<Tensor<B, 3>>, batch: &Self::Batch) -> Tensor<B, 3>;
+
+    /// On the last stage: the micro-batch's loss, as the scalar to backpropagate and as the
+    /// value to report.
+    fn loss(&self, output: Tensor<B, 3>, batch: &Self::Batch) -> (Tensor<B, 1>, f64);
+}
+
+/// Why a pipeline step failed: the rank, the action and its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("pipeline rank {rank}, action {index} ({action}): {source}")]
+    Comm {
+        rank: usize,
+        index: usize,
+        action: Action,
+        source: Box<CommError>,
+    },
+    #[error("pipeline rank {rank}, action {index} ({action}): {detail}")]
+    Order {
+        rank: usize,
+        index: usize,
+        action: Action,
+        detail: String,
+    },
+    #[error(
+        "pipeline rank {rank} holds {chunks} chunks and got {batches} micro-batches, but the \
+         schedule has {virtual_stages} chunks per rank and {microbatches} micro-batches"
+    )]
+    Shape {
+        rank: usize,
+        chunks: usize,
+        batches: usize,
+        virtual_stages: usize,
+        microbatches: usize,
+    },
+}
+
+/// What one rank measured during a step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepStats {
+    /// Sum of the reported micro-batch losses (last stage only; 0 elsewhere).
+    pub loss: f64,
+    /// Time spent in forwards and backwards.
+    pub busy: Duration,
+    /// Time of the whole step on this rank.
+    pub wall: Duration,
+    /// Most forwards alive (forward done, backward not yet) at once.
+    pub peak_activations: usize,
+}
+
+impl StepStats {
+    /// The measured bubble: the fraction of the step this rank was not computing.
+    pub fn bubble(&self) -> f64 {
+        let wall = self.wall.as_secs_f64();
+        if wall > 0.0 {
+            1.0 - self.busy.as_secs_f64() / wall
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The result of a rank's step: each chunk's summed parameter gradients, and the measurements.
+#[derive(Debug)]
+pub struct StepResult {
+    pub grads: Vec<GradientsParams>,
+    pub stats: StepStats,
+}
+
+/// Message tags: the consuming stage and the micro-batch, per direction.
+fn tag(gradient: bool, stage: usize, mb: usize) -> u64 {
+    (u64::from(gradient) << 62) | ((stage as u64) << 32) | mb as u64
+}
+
+/// What a forward leaves for its backward.
+struct Saved<B: AutodiffBackend> {
+    /// The input leaf (every stage but the first).
+    input: Option<Tensor<B, 3>>,
+    /// The loss (last stage) or the output (other stages).
+    output: Output<B>,
+}
+
+enum Output<B: AutodiffBackend> {
+    Loss(Tensor<B, 1>),
+    Activation(Tensor<B, 3>),
+}
+
+/// One rank's state while it runs its actions.
+struct RankRun<'a, B: AutodiffBackend, C: PipelineChunk<B> + AutodiffModule<B>> {
+    schedule: &'a Schedule,
+    rank: usize,
+    group: &'a ProcessGroup,
+    chunks: &'a [C],
+    batches: &'a [C::Batch],
+    device: B::Device,
+    /// Inputs waiting for their forward, by (micro-batch, chunk).
+    inputs: HashMap<(usize, usize), Tensor<B, 3>>,
+    /// Gradients of outputs waiting for their backward.
+    output_grads: HashMap<(usize, usize), Tensor<B::InnerBackend, 3>>,
+    /// Outputs and input gradients waiting to be sent.
+    outbox: HashMap<(bool, usize, usize), Tensor<B::InnerBackend, 3>>,
+    saved: HashMap<(usize, usize), Saved<B>>,
+    accumulators: Vec<GradientsAccumulator<C>>,
+    stats: StepStats,
+}
+
+/// Runs `rank`'s actions of `schedule` for one step: `chunks[c]` is local chunk `c`,
+/// `batches[mb]` micro-batch `mb`, `group` the pipeline group (group rank = pipeline rank).
+pub fn run_step<B, C>(
+    schedule: &Schedule,
+    rank: usize,
+    group: &ProcessGroup,
+    chunks: &[C],
+    batches: &[C::Batch],
+    device: &B::Device,
+) -> Result<StepResult, PipelineError>
+where
+    B: AutodiffBackend,
+    C: PipelineChunk<B> + AutodiffModule<B>,
+{
+    if chunks.len() != schedule.virtual_stages || batches.len() != schedule.microbatches {
+        return Err(PipelineError::Shape {
+            rank,
+            chunks: chunks.len(),
+            batches: batches.len(),
+            virtual_stages: schedule.virtual_stages,
+            microbatches: schedule.microbatches,
+        });
+    }
+    let started = Instant::now();
+    let mut run = RankRun {
+        schedule,
+        rank,
+        group,
+        chunks,
+        batches,
+        device: device.clone(),
+        inputs: HashMap::new(),
+        output_grads: HashMap::new(),
+        outbox: HashMap::new(),
+        saved: HashMap::new(),
+        accumulators: chunks.iter().map(|_| GradientsAccumulator::new()).collect(),
+        stats: StepStats::default(),
+    };
+    for (index, action) in schedule.actions[rank].iter().enumerate() {
+        run.perform(*action)
+            .map_err(|cause| cause.at(rank, index, *action))?;
+    }
+    run.stats.wall = started.elapsed();
+    Ok(StepResult {
+        grads: run.accumulators.iter_mut().map(|a| a.grads()).collect(),
+        stats: run.stats,
+    })
+}
+
+/// An action's failure before the rank and index are attached.
+enum Failure {
+    Comm(CommError),
+    Order(String),
+}
+
+impl From<CommError> for Failure {
+    fn from(error: CommError) -> Self {
+        Failure::Comm(error)
+    }
+}
+
+impl Failure {
+    fn at(self, rank: usize, index: usize, action: Action) -> PipelineError {
+        match self {
+            Failure::Comm(source) => PipelineError::Comm {
+                rank,
+                index,
+                action,
+                source: Box::new(source),
+            },
+            Failure::Order(detail) => PipelineError::Order {
+                rank,
+                index,
+                action,
+                detail,
+            },
+        }
+    }
+}
+
+fn take<K: std::hash::Hash + Eq, V>(
+    map: &mut HashMap<K, V>,
+    key: K,
+    what: &str,
+) -> Result<V, Failure> {
+    map.remove(&key)
+        .ok_or_else(|| Failure::Order(format!("{what} is not available")))
+}
+
+impl<B, C> RankRun<'_, B, C>
+where
+    B: AutodiffBackend,
+    C: PipelineChunk<B> + AutodiffModule<B>,
+{
+    fn last_stage(&self) -> usize {
+        self.schedule.num_stages() - 1
+    }
+
+    fn perform(&mut self, action: Action) -> Result<(), Failure> {
+        let stage = self.schedule.stage_of(self.rank, action.chunk());
+        match action {
+            Action::RecvActivation { mb, chunk, from } => {
+                let x = self.group.recv::<B::InnerBackend, 3, Float>(
+                    from,
+                    tag(false, stage, mb),
+                    &self.device,
+                )?;
+                self.inputs
+                    .insert((mb, chunk), Tensor::from_inner(x).require_grad());
+            }
+            Action::Forward { mb, chunk } => self.forward(mb, chunk, stage)?,
+            Action::SendActivation { mb, chunk, to } => {
+                let y = take(&mut self.outbox, (false, mb, chunk), "the output")?;
+                self.group.send(y, to, tag(false, stage + 1, mb))?;
+            }
+            Action::RecvGradient { mb, chunk, from } => {
+                let g = self.group.recv::<B::InnerBackend, 3, Float>(
+                    from,
+                    tag(true, stage, mb),
+                    &self.device,
+                )?;
+                self.output_grads.insert((mb, chunk), g);
+            }
+            Action::Backward { mb, chunk } => self.backward(mb, chunk, stage)?,
+            Action::SendGradient { mb, chunk, to } => {
+                let g = take(&mut self.outbox, (true, mb, chunk), "the input gradient")?;
+                self.group.send(g, to, tag(true, stage - 1, mb))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, mb: usize, chunk: usize, stage: usize) -> Result<(), Failure> {
+        let input = match stage {
+            0 => None,
+            _ => Some(take(&mut self.inputs, (mb, chunk), "the input activation")?),
+        };
+        let started = Instant::now();
+        let module = &self.chunks[chunk];
+        let output = module.forward(input.clone(), &self.batches[mb]);
+        let output = if stage == self.last_stage() {
+            let (loss, value) = module.loss(output, &self.batches[mb]);
+            self.stats.loss += value;
+            Output::Loss(loss)
+        } else {
+            let detached = output.clone().inner();
+            if self.schedule.stages == 1 {
+                // The next stage is this rank's next chunk: hand the output over in memory.
+                let next_input = Tensor::from_inner(detached).require_grad();
+                self.inputs.insert((mb, chunk + 1), next_input);
+            } else {
+                self.outbox.insert((false, mb, chunk), detached);
+            }
+            Output::Activation(output)
+        };
+        self.stats.busy += started.elapsed();
+        self.saved.insert((mb, chunk), Saved { input, output });
+        self.stats.peak_activations = self.stats.peak_activations.max(self.saved.len());
+        Ok(())
+    }
+
+    fn backward(&mut self, mb: usize, chunk: usize, stage: usize) -> Result<(), Failure> {
+        let saved = take(
+            &mut self.saved,
+            (mb, chunk),
+            "the forward of this micro-batch",
+        )?;
+        let output_grad = match saved.output {
+            Output::Loss(_) => None,
+            Output::Activation(_) => Some(take(
+                &mut self.output_grads,
+                (mb, chunk),
+                "the output gradient",
+            )?),
+        };
+        let started = Instant::now();
+        let root = match (saved.output, output_grad) {
+            (Output::Loss(loss), _) => loss,
+            (Output::Activation(y), Some(g)) => (y * Tensor::from_inner(g)).sum(),
+            (Output::Activation(_), None) => unreachable!("taken above for activations"),
+        };
+        let grads = root.backward();
+        if let Some(input) = saved.input {
+            let input_grad = input.grad(&grads).ok_or_else(|| {
+                Failure::Order(format!(
+                    "no gradient reached the input of stage {stage}: the chunk does not use it"
+                ))
+            })?;
+            if self.schedule.stages == 1 {
+                self.output_grads.insert((mb, chunk - 1), input_grad);
+            } else {
+                self.outbox.insert((true, mb, chunk), input_grad);
+            }
+        }
+        let module = &self.chunks[chunk];
+        self.accumulators[chunk].accumulate(module, GradientsParams::from_grads(grads, module));
+        self.stats.busy += started.elapsed();
+        Ok(())
+    }
+}
+
+/// The summed loss of `batches` through the pipeline, forward only (evaluation): micro-batch
+/// after micro-batch, stage after stage, each rank running the stages it holds. The loss is
+/// known on the last stage's rank (0 elsewhere).
+pub fn run_forward<B, C>(
+    pp: usize,
+    rank: usize,
+    group: &ProcessGroup,
+    chunks: &[C],
+    batches: &[C::Batch],
+    device: &B::Device,
+) -> Result<f64, PipelineError>
+where
+    B: Backend,
+    C: PipelineChunk<B>,
+{
+    let stages = pp * chunks.len();
+    let mut loss = 0.0;
+    for (mb, batch) in batches.iter().enumerate() {
+        let mut x = None;
+        for stage in (rank..stages).step_by(pp) {
+            let chunk = stage / pp;
+            let fail = |source| PipelineError::Comm {
+                rank,
+                index: mb,
+                action: Action::Forward { mb, chunk },
+                source: Box::new(source),
+            };
+            if stage > 0 && pp > 1 {
+                let from = (stage - 1) % pp;
+                x = Some(
+                    group
+                        .recv::<B, 3, Float>(from, tag(false, stage, mb), device)
+                        .map_err(fail)?,
+                );
+            }
+            let y = chunks[chunk].forward(x.take(), batch);
+            if stage + 1 == stages {
+                loss += chunks[chunk].loss(y, batch).1;
+            } else if pp > 1 {
+                group
+                    .send(y, (stage + 1) % pp, tag(false, stage + 1, mb))
+                    .map_err(fail)?;
+            } else {
+                x = Some(y);
+            }
+        }
+    }
+    Ok(loss)
+}
