@@ -1,7 +1,9 @@
 //! wildfire's benchmark harness: `cargo run --release -p wildfire-benches -- <subcommand>`.
 
+mod alloc;
 mod comm;
 mod decorator;
+mod pp;
 mod train;
 mod train_profile;
 
@@ -25,11 +27,17 @@ enum Command {
     Decorator(decorator::DecoratorArgs),
     /// Training throughput of the tiny GPT on CPU (1 and 2 threads), optionally against PyTorch.
     Train(train::TrainArgs),
+    /// Pipeline parallelism: measured bubble against theory; 1F1B's stored activations and
+    /// memory against GPipe's.
+    Pp(pp::PpArgs),
     /// Where a tiny-GPT training step spends its time, component by component.
     TrainProfile(train_profile::ProfileArgs),
     /// One measurement process of `train`.
     #[command(hide = true)]
     TrainWorker(train::WorkerArgs),
+    /// One rank of a pipeline measurement (started by `pp` through the launcher).
+    #[command(hide = true)]
+    PpWorker(pp::WorkerArgs),
     /// One rank of a tcp measurement (started by `comm` through the launcher).
     #[command(hide = true)]
     CommWorker(comm::WorkerArgs),
@@ -40,6 +48,8 @@ fn main() -> anyhow::Result<()> {
         Command::Comm(args) => comm::run(args),
         Command::CommWorker(args) => comm::worker(args),
         Command::Decorator(args) => decorator::run(args),
+        Command::Pp(args) => pp::run(args),
+        Command::PpWorker(args) => pp::worker(args),
         Command::Train(args) => train::run(args),
         Command::TrainWorker(args) => train::worker(args),
         Command::TrainProfile(args) => train_profile::run(args),

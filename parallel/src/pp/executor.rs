@@ -13,21 +13,39 @@
 //! input is a leaf that requires grad (the received activation, detached from the sender's
 //! graph); its gradient `∂L/∂x` is what goes back to the previous stage.
 //!
+//! **Ranks as threads.** Burn 0.21 keeps one autodiff graph registry per process, and the cleanup
+//! that follows every backward pass can drop another thread's graph entries while that thread
+//! is building or merging a graph (its backward then finds no step for its root). Forwards and
+//! backwards therefore run under one process-wide lock ([`AUTODIFF_GRAPHS`]): ranks that are
+//! threads of one process compute one at a time (their communication still overlaps), which
+//! keeps them correct but not faster than one rank; ranks in separate processes, the normal
+//! case, never contend for it.
+//!
 //! **Accumulation and memory.** Parameter gradients of every micro-batch are summed per chunk
 //! (each micro-batch's loss is already scaled by the caller, e.g. `1/tokens of the step`). A
 //! forward's graph and its saved input live until its backward, then are dropped; the number of
 //! forwards alive at once is the "in-flight activations" the schedule bounds.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Float, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 
 use super::schedule::{Action, Schedule};
+
+/// Serialises autodiff graph building and backward passes within a process (see the module
+/// doc). Anything else that registers autodiff nodes while ranks run as threads (a parameter
+/// made to require grad, e.g. by an optimizer step or when a model is built) takes it too.
+pub static AUTODIFF_GRAPHS: Mutex<()> = Mutex::new(());
+
+pub fn graphs_lock() -> MutexGuard<'static, ()> {
+    AUTODIFF_GRAPHS.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// One model chunk as the pipeline runs it: a contiguous run of a model's layers.
 pub trait PipelineChunk<B: Backend> {
@@ -61,6 +79,8 @@ pub enum PipelineError {
         action: Action,
         detail: String,
     },
+    #[error("pipeline rank {rank}, at the end of the step: {source}")]
+    StepEnd { rank: usize, source: Box<CommError> },
     #[error(
         "pipeline rank {rank} holds {chunks} chunks and got {batches} micro-batches, but the \
          schedule has {virtual_stages} chunks per rank and {microbatches} micro-batches"
@@ -81,14 +101,15 @@ pub struct StepStats {
     pub loss: f64,
     /// Time spent in forwards and backwards.
     pub busy: Duration,
-    /// Time of the whole step on this rank.
+    /// Time of the whole step: from this rank's start until every rank is done.
     pub wall: Duration,
     /// Most forwards alive (forward done, backward not yet) at once.
     pub peak_activations: usize,
 }
 
 impl StepStats {
-    /// The measured bubble: the fraction of the step this rank was not computing.
+    /// The measured bubble: the fraction of the step (until the last rank is done) this rank
+    /// was not computing.
     pub fn bubble(&self) -> f64 {
         let wall = self.wall.as_secs_f64();
         if wall > 0.0 {
@@ -111,8 +132,32 @@ fn tag(gradient: bool, stage: usize, mb: usize) -> u64 {
     (u64::from(gradient) << 62) | ((stage as u64) << 32) | mb as u64
 }
 
+/// Gives every float parameter a fresh graph leaf (same value, same [`ParamId`]).
+///
+/// Burn 0.21's autodiff frees the graph nodes a backward pass consumed, and when several forward
+/// graphs are pending at once (the pipeline's in-flight micro-batches) and share parameter nodes,
+/// a backward pass can leave the others' roots freed ("Node should have a step registered").
+/// Each micro-batch's forward therefore runs on a copy of the chunk whose parameters are leaves
+/// of its own graph; the copies share the parameters' data, and gradients, keyed by `ParamId`,
+/// accumulate onto the chunk as usual.
+struct FreshLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let leaf = if tensor.is_require_grad() {
+            tensor.detach().require_grad()
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, leaf, mapper)
+    }
+}
+
 /// What a forward leaves for its backward.
-struct Saved<B: AutodiffBackend> {
+struct Saved<B: AutodiffBackend, C> {
+    /// The chunk copy the forward ran on (see [`FreshLeaves`]).
+    module: C,
     /// The input leaf (every stage but the first).
     input: Option<Tensor<B, 3>>,
     /// The loss (last stage) or the output (other stages).
@@ -133,12 +178,12 @@ struct RankRun<'a, B: AutodiffBackend, C: PipelineChunk<B> + AutodiffModule<B>> 
     batches: &'a [C::Batch],
     device: B::Device,
     /// Inputs waiting for their forward, by (micro-batch, chunk).
-    inputs: HashMap<(usize, usize), Tensor<B, 3>>,
+    inputs: HashMap<(usize, usize), Tensor<B::InnerBackend, 3>>,
     /// Gradients of outputs waiting for their backward.
     output_grads: HashMap<(usize, usize), Tensor<B::InnerBackend, 3>>,
     /// Outputs and input gradients waiting to be sent.
     outbox: HashMap<(bool, usize, usize), Tensor<B::InnerBackend, 3>>,
-    saved: HashMap<(usize, usize), Saved<B>>,
+    saved: HashMap<(usize, usize), Saved<B, C>>,
     accumulators: Vec<GradientsAccumulator<C>>,
     stats: StepStats,
 }
@@ -185,6 +230,11 @@ where
         run.perform(*action)
             .map_err(|cause| cause.at(rank, index, *action))?;
     }
+    // The step ends when the last rank is done: a rank that finishes early is idle until then.
+    group.barrier().map_err(|source| PipelineError::StepEnd {
+        rank,
+        source: Box::new(source),
+    })?;
     run.stats.wall = started.elapsed();
     Ok(StepResult {
         grads: run.accumulators.iter_mut().map(|a| a.grads()).collect(),
@@ -250,8 +300,7 @@ where
                     tag(false, stage, mb),
                     &self.device,
                 )?;
-                self.inputs
-                    .insert((mb, chunk), Tensor::from_inner(x).require_grad());
+                self.inputs.insert((mb, chunk), x);
             }
             Action::Forward { mb, chunk } => self.forward(mb, chunk, stage)?,
             Action::SendActivation { mb, chunk, to } => {
@@ -280,8 +329,11 @@ where
             0 => None,
             _ => Some(take(&mut self.inputs, (mb, chunk), "the input activation")?),
         };
+        let graphs = graphs_lock();
         let started = Instant::now();
-        let module = &self.chunks[chunk];
+        // The input becomes a leaf of this stage's graph (registering it needs the lock).
+        let input = input.map(|x| Tensor::<B, 3>::from_inner(x).require_grad());
+        let module = self.chunks[chunk].clone().map(&mut FreshLeaves);
         let output = module.forward(input.clone(), &self.batches[mb]);
         let output = if stage == self.last_stage() {
             let (loss, value) = module.loss(output, &self.batches[mb]);
@@ -291,15 +343,22 @@ where
             let detached = output.clone().inner();
             if self.schedule.stages == 1 {
                 // The next stage is this rank's next chunk: hand the output over in memory.
-                let next_input = Tensor::from_inner(detached).require_grad();
-                self.inputs.insert((mb, chunk + 1), next_input);
+                self.inputs.insert((mb, chunk + 1), detached);
             } else {
                 self.outbox.insert((false, mb, chunk), detached);
             }
             Output::Activation(output)
         };
         self.stats.busy += started.elapsed();
-        self.saved.insert((mb, chunk), Saved { input, output });
+        drop(graphs);
+        self.saved.insert(
+            (mb, chunk),
+            Saved {
+                module,
+                input,
+                output,
+            },
+        );
         self.stats.peak_activations = self.stats.peak_activations.max(self.saved.len());
         Ok(())
     }
@@ -318,6 +377,7 @@ where
                 "the output gradient",
             )?),
         };
+        let graphs = graphs_lock();
         let started = Instant::now();
         let root = match (saved.output, output_grad) {
             (Output::Loss(loss), _) => loss,
@@ -337,9 +397,10 @@ where
                 self.outbox.insert((true, mb, chunk), input_grad);
             }
         }
-        let module = &self.chunks[chunk];
-        self.accumulators[chunk].accumulate(module, GradientsParams::from_grads(grads, module));
+        let grads = GradientsParams::from_grads(grads, &saved.module);
+        self.accumulators[chunk].accumulate(&self.chunks[chunk], grads);
         self.stats.busy += started.elapsed();
+        drop(graphs);
         Ok(())
     }
 }
@@ -392,4 +453,114 @@ where
         }
     }
     Ok(loss)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::{AdamWConfig, GradientsAccumulator, Optimizer};
+    use burn::tensor::Distribution;
+
+    use super::*;
+    use crate::pp::{Schedule, ScheduleKind};
+    use wildfire_backend::comm::CommOptions;
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Stage<B: Backend> {
+        linear: Linear<B>,
+    }
+
+    impl PipelineChunk<B> for Stage<B> {
+        type Batch = Tensor<B, 3>;
+
+        fn forward(&self, input: Option<Tensor<B, 3>>, batch: &Tensor<B, 3>) -> Tensor<B, 3> {
+            self.linear.forward(input.unwrap_or_else(|| batch.clone()))
+        }
+
+        fn loss(&self, output: Tensor<B, 3>, _: &Tensor<B, 3>) -> (Tensor<B, 1>, f64) {
+            let loss = output.powi_scalar(2).sum();
+            let value = loss.clone().into_scalar() as f64;
+            (loss, value)
+        }
+    }
+
+    /// The pattern that loses graph roots in Burn 0.21 without fresh parameter leaves: eight
+    /// pending forwards from leaf inputs through shared parameters, then their backwards, over
+    /// optimizer steps (it panics there with "Node should have a step registered").
+    #[test]
+    fn pending_graphs_on_fresh_leaves_keep_their_roots() {
+        let device = Default::default();
+        let mut stage = Stage::<B> {
+            linear: LinearConfig::new(8, 8).init(&device),
+        };
+        let mut optimizer = AdamWConfig::new().init::<B, Stage<B>>();
+        let batch = Tensor::<B, 3>::zeros([1, 4, 8], &device);
+        for round in 0..3 {
+            let inputs: Vec<Tensor<B, 3>> = (0..8)
+                .map(|_| Tensor::random([1, 4, 8], Distribution::Default, &device).require_grad())
+                .collect();
+            let pending: Vec<_> = inputs
+                .iter()
+                .map(|x| {
+                    let copy = stage.clone().map(&mut FreshLeaves);
+                    let output = PipelineChunk::forward(&copy, Some(x.clone()), &batch);
+                    (copy.output_sum(output), copy)
+                })
+                .collect();
+            let mut accumulator = GradientsAccumulator::new();
+            for (mb, (loss, copy)) in pending.into_iter().enumerate() {
+                let grads = loss.backward();
+                assert!(inputs[mb].grad(&grads).is_some(), "round {round} mb {mb}");
+                accumulator.accumulate(&stage, GradientsParams::from_grads(grads, &copy));
+            }
+            stage = optimizer.step(1e-2, stage, accumulator.grads());
+        }
+    }
+
+    impl Stage<B> {
+        fn output_sum(&self, output: Tensor<B, 3>) -> Tensor<B, 1> {
+            output.sum()
+        }
+    }
+
+    /// GPipe on one rank keeps all 8 forward graphs pending before the first backward, over
+    /// several optimizer steps; the gradients equal forward-then-backward per micro-batch.
+    #[test]
+    fn pending_forwards_accumulate_like_one_at_a_time() {
+        let device = Default::default();
+        let mut stage = Stage::<B> {
+            linear: LinearConfig::new(8, 8).init(&device),
+        };
+        let mut optimizer = AdamWConfig::new().init::<B, Stage<B>>();
+        let world = ProcessGroup::local_world(1, CommOptions::default())
+            .unwrap()
+            .remove(0);
+        let schedule = Schedule::build(ScheduleKind::GPipe, 1, 1, 8).unwrap();
+        let batches: Vec<Tensor<B, 3>> = (0..8)
+            .map(|_| Tensor::random([2, 3, 8], Distribution::Default, &device))
+            .collect();
+        for _ in 0..3 {
+            let mut expected = GradientsAccumulator::new();
+            for batch in &batches {
+                let (loss, _) = stage.loss(PipelineChunk::forward(&stage, None, batch), batch);
+                expected.accumulate(&stage, GradientsParams::from_grads(loss.backward(), &stage));
+            }
+            let mut expected = expected.grads();
+            let mut result = run_step(&schedule, 0, &world, &[stage.clone()], &batches, &device)
+                .expect("a pipeline step");
+            assert_eq!(result.stats.peak_activations, 8);
+            let mut grads = result.grads.remove(0);
+            let id = stage.linear.weight.id;
+            let (got, want) = (
+                grads.remove::<Flex, 2>(id).unwrap().into_data(),
+                expected.remove::<Flex, 2>(id).unwrap().into_data(),
+            );
+            assert_eq!(got, want);
+            stage = optimizer.step(1e-2, stage, expected);
+        }
+    }
 }

@@ -24,6 +24,8 @@ pub mod partition;
 pub mod schedule;
 
 pub use check::{At, CheckError, CheckReport, SendSemantics, check, check_with};
-pub use executor::{PipelineChunk, PipelineError, StepResult, StepStats, run_forward, run_step};
+pub use executor::{
+    PipelineChunk, PipelineError, StepResult, StepStats, graphs_lock, run_forward, run_step,
+};
 pub use partition::{PartitionError, partition};
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, theoretical_bubble};

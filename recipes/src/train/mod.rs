@@ -43,7 +43,7 @@ use anyhow::bail;
 use burn::optim::GradientsParams;
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
 use wildfire_parallel::mesh::PipelinePlan;
-use wildfire_parallel::pp::{StepStats, run_forward, run_step};
+use wildfire_parallel::pp::{StepStats, graphs_lock, run_forward, run_step};
 
 use crate::checkpoint::{self, TrainState};
 use crate::data::{Sampler, SplitMix64};
@@ -151,7 +151,11 @@ impl<B: AutodiffBackend> StepLoop<B> {
         let squares = grad_sum_of_squares_except(&model, &grads, tied_copy.as_slice());
         let squares = self.world_sum(squares)?;
         let grad_norm = clip_to_norm(&model, &mut grads, self.settings.grad_clip, squares);
-        learner.optimizer_step(grads);
+        {
+            // The step makes new parameters that require grad (see `graphs_lock`).
+            let _lock = graphs_lock();
+            learner.optimizer_step(grads);
+        }
         let loss_sum = self.world_sum(result.stats.loss)?;
         let pipeline = self.pipeline_record(&result.stats)?;
         let seconds = started.elapsed().as_secs_f64();

@@ -14,6 +14,7 @@ use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
 use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup};
 use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
+use wildfire_parallel::pp::graphs_lock;
 
 use super::{EvalLoader, GptComponents, LoopSettings, RankContext, StepLoop, TrainLoader};
 use crate::checkpoint::{self, Loaded, TrainState};
@@ -179,10 +180,6 @@ fn first_outcome(
         .context("a parallel run with no ranks")
 }
 
-/// Ranks that are threads of one process share the backend's RNG: seeding and drawing the
-/// initial model happen under this lock, so every rank draws the same model.
-static MODEL_INIT: Mutex<()> = Mutex::new(());
-
 /// This rank's part of the run.
 fn run_rank<B: AutodiffBackend>(
     config: RunConfig,
@@ -218,7 +215,9 @@ fn run_rank<B: AutodiffBackend>(
 
     let device = B::Device::default();
     let whole = {
-        let _lock = MODEL_INIT.lock().unwrap_or_else(|p| p.into_inner());
+        // Ranks that are threads share the backend's RNG and autodiff registry: seeding and
+        // drawing the model happen under the pipeline's lock, so every rank draws the same one.
+        let _lock = graphs_lock();
         B::seed(&device, config.train.seed);
         Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
     };
@@ -242,6 +241,7 @@ fn run_rank<B: AutodiffBackend>(
     )?;
     let mut start_step = 0;
     if let Some(loaded) = &resumed {
+        let _lock = graphs_lock();
         model = loaded.apply_params_to_chunks(model)?;
         loaded.apply_moments(&model, &optimizer)?;
         schedule.next_step = loaded.state.schedule_step;
