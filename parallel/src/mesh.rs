@@ -60,6 +60,10 @@ pub struct PipelinePlan {
     pub schedule: Schedule,
     /// Peak in-flight activations per rank, from the checker's simulation.
     pub peak_in_flight: Vec<usize>,
+    /// The schedule's bubble with equal stages and free communication, from the checker's timed
+    /// simulation: `(p−1)/(m+p−1)`, or `(p−1)/(v·m+p−1)` interleaved with `p | m`, and what the
+    /// padded interleaved schedule really idles otherwise.
+    pub ideal_bubble: f64,
 }
 
 impl ParallelDims {
@@ -113,6 +117,7 @@ impl ParallelDims {
         Ok(PipelinePlan {
             stages,
             schedule,
+            ideal_bubble: report.simulated_bubble(),
             peak_in_flight: report.peak_in_flight,
         })
     }

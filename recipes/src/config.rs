@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use wildfire_parallel::pp::{Schedule, ScheduleKind};
+use wildfire_parallel::pp::ScheduleKind;
 
 use crate::data::TokenizerKind;
 use crate::model::{GptConfig, Preset};
@@ -276,14 +276,9 @@ impl RunConfig {
         if self.run.threads == Some(0) {
             bail!("run.threads must be at least 1, got 0");
         }
-        let parallel = &self.parallel;
-        Schedule::validate(
-            parallel.schedule_kind()?,
-            parallel.pp,
-            parallel.virtual_stages,
-            train.grad_accum,
-        )
-        .context("parallel.pp, parallel.virtual_stages and train.grad_accum (the micro-batches)")?;
+        // The parallel layout is validated in one place, `ParallelDims::pipeline`, before a run
+        // touches its directory; only the schedule's name is read here.
+        self.parallel.schedule_kind()?;
         Ok(())
     }
 }

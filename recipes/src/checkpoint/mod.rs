@@ -100,6 +100,16 @@ fn to_data(slice: TensorSlice) -> anyhow::Result<(String, TensorData)> {
     ))
 }
 
+/// The name a parameter is stored under: the head's tied copy of the token embedding is the
+/// embedding (see `Head::wte`); every other parameter is itself.
+fn stored_name(name: &str) -> &str {
+    if name == TIED_COPY {
+        TOKEN_EMBEDDING
+    } else {
+        name
+    }
+}
+
 type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
 type ChunksRecord<B> = <ChunksOptimizer<B> as Optimizer<GptChunks<B>, B>>::Record;
 
@@ -246,11 +256,7 @@ impl Loaded {
         let first = model.first_block;
         let mut needed = BTreeMap::new();
         for name in param_names(&model, first) {
-            let stored = if name == TIED_COPY {
-                TOKEN_EMBEDDING
-            } else {
-                &name
-            };
+            let stored = stored_name(&name);
             if let Some(data) = self.params.get(stored) {
                 needed.insert(name, data.clone());
             }
@@ -284,11 +290,7 @@ impl Loaded {
         }
         impl<B: AutodiffBackend> ParamFn<B> for Restore<'_, B> {
             fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                let stored = if name == TIED_COPY {
-                    TOKEN_EMBEDDING
-                } else {
-                    name
-                };
+                let stored = stored_name(name);
                 let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
                     return;
                 };

@@ -38,7 +38,6 @@ impl LogRenderer {
         }
     }
 
-    /// Keeps the metric's current value (numeric) or its formatted text (others).
     /// A renderer that prints nothing: for the ranks of a parallel run other than rank 0.
     pub fn quiet() -> Self {
         Self {
@@ -47,6 +46,7 @@ impl LogRenderer {
         }
     }
 
+    /// Keeps the metric's current value (numeric) or its formatted text (others).
     fn remember(values: &mut BTreeMap<String, String>, state: MetricState) {
         let (key, text) = match state {
             MetricState::Numeric(entry, value) => {

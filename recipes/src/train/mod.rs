@@ -231,7 +231,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
         let all = world.all_gather_host(mine, 0)?;
         Ok(Some(PipelineRecord {
             bubble: all.data.iter().step_by(2).copied().collect(),
-            bubble_theory: self.rank.plan.schedule.theoretical_bubble(),
+            bubble_theory: self.rank.plan.ideal_bubble,
             peak_activations: all
                 .data
                 .iter()
@@ -290,8 +290,12 @@ impl<B: AutodiffBackend> StepLoop<B> {
             state,
             &self.rank.world,
         )?;
+        // Pruning is rank 0's alone; failing it must not stop rank 0 while the others go on.
         if self.settings.keep_last > 0 && self.rank.world.rank() == 0 {
-            checkpoint::store::prune(&self.checkpoint_root, self.settings.keep_last)?;
+            let pruned = checkpoint::store::prune(&self.checkpoint_root, self.settings.keep_last);
+            if let Err(error) = pruned {
+                eprintln!("warning: old checkpoints were not pruned: {error:#}");
+            }
         }
         Ok(())
     }

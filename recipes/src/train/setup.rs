@@ -143,6 +143,16 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
             run_rank::<B>(config, resume, world)
         }
         Transport::Local => {
+            let launched = LaunchEnv::detect(&LaunchFlags::default())?;
+            if launched.world_size > 1 {
+                bail!(
+                    "parallel.transport = local runs every rank as a thread of this process, but \
+                     this process was launched as rank {} of {}: pass --transport launch (a run \
+                     saved with local keeps it on --resume)",
+                    launched.rank,
+                    launched.world_size
+                );
+            }
             let worlds = ProcessGroup::local_world(config.parallel.pp, options)?;
             let ranks = worlds
                 .into_iter()
@@ -214,20 +224,21 @@ fn run_rank<B: AutodiffBackend>(
     world.barrier()?;
 
     let device = B::Device::default();
-    let whole = {
-        // Ranks that are threads share the backend's RNG and autodiff registry: seeding and
-        // drawing the model happen under the pipeline's lock, so every rank draws the same one.
+    let mut model = {
+        // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
+        // the model and making its parameters (which registers them) happen under the
+        // pipeline's lock, so every rank draws the same model and no graph is cleaned meanwhile.
         let _lock = graphs_lock();
         B::seed(&device, config.train.seed);
-        Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
+        let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device);
+        let whole = match (&resumed, &config.run.init_from) {
+            (None, Some(source)) => crate::hf::init_from(whole, source)?,
+            _ => whole,
+        };
+        GptChunks::for_rank(whole, &plan.stages, dims.pp, rank)
     };
     // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
     world.barrier()?;
-    let whole = match (&resumed, &config.run.init_from) {
-        (None, Some(source)) => crate::hf::init_from(whole, source)?,
-        _ => whole,
-    };
-    let mut model = GptChunks::for_rank(whole, &plan.stages, dims.pp, rank);
     let optimizer =
         SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
     let mut schedule = WarmupCosine::new(&config.train);
@@ -356,7 +367,8 @@ fn run_rank<B: AutodiffBackend>(
     }
     if rank == 0 {
         println!(
-            "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {n_train}              train / {n_val} val tokens, steps {start_step}..{max_steps}",
+            "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {n_train} \
+             train / {n_val} val tokens, steps {start_step}..{max_steps}",
             model_config.parameter_count(),
             model_config.n_layer,
             model_config.n_head,
@@ -394,13 +406,14 @@ fn describe_pipeline(plan: &PipelinePlan) -> String {
         .map(|r| format!("{}..{}", r.start, r.end))
         .collect();
     format!(
-        "pipeline: {} ranks × {} chunks, {} schedule, {} micro-batches, blocks per stage [{}],          ideal bubble {:.1}%, peak stored activations per rank {:?}",
+        "pipeline: {} ranks × {} chunks, {} schedule, {} micro-batches, blocks per stage [{}], \
+         ideal bubble {:.1}%, peak stored activations per rank {:?}",
         schedule.stages,
         schedule.virtual_stages,
         schedule.kind,
         schedule.microbatches,
         stages.join(", "),
-        100.0 * schedule.theoretical_bubble(),
+        100.0 * plan.ideal_bubble,
         plan.peak_in_flight,
     )
 }
