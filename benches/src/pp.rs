@@ -47,6 +47,23 @@ pub struct PpArgs {
     /// Forward time of a synthetic stage, in milliseconds (the backward takes twice as long).
     #[arg(long, default_value_t = 4.0)]
     forward_ms: f64,
+    /// One JSON line per configuration instead of the tables.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One configuration's result, as a JSON line.
+#[derive(Debug, Serialize)]
+struct Line<'a> {
+    stage: &'a str,
+    pp: usize,
+    microbatches: usize,
+    schedule: String,
+    virtual_stages: usize,
+    bubble: f64,
+    bubble_theory: f64,
+    peak_activations: &'a [usize],
+    heap_growth_bytes: &'a [usize],
 }
 
 /// One rank process of a measurement (started by `pp` through the launcher).
@@ -82,13 +99,21 @@ struct Measurements {
 }
 
 pub fn run(args: PpArgs) -> anyhow::Result<()> {
-    println!(
-        "## Equal synthetic stages (forward {:.1} ms, backward {:.1} ms), one process per rank\n",
-        args.forward_ms,
-        2.0 * args.forward_ms
-    );
-    println!("| pp | m | schedule | measured bubble | theory | peak stored activations per rank |");
-    println!("|---|---|---|---|---|---|");
+    let table = |lines: &[&str]| {
+        if !args.json {
+            lines.iter().for_each(|l| println!("{l}"));
+        }
+    };
+    table(&[
+        &format!(
+            "## Equal synthetic stages (forward {:.1} ms, backward {:.1} ms), one process per \
+             rank\n",
+            args.forward_ms,
+            2.0 * args.forward_ms
+        ),
+        "| pp | m | schedule | measured bubble | theory | peak stored activations per rank |",
+        "|---|---|---|---|---|---|",
+    ]);
     for pp in [2, 4] {
         for m in [4, 8, 16] {
             for (kind, v) in [
@@ -98,37 +123,56 @@ pub fn run(args: PpArgs) -> anyhow::Result<()> {
             ] {
                 let schedule = Schedule::build(kind, pp, v, m)?;
                 let measured = launch_workers(&schedule, "sleep", &args)?;
-                println!("{}", row(&schedule, &measured, false));
+                report(&schedule, "sleep", &measured, args.json)?;
             }
         }
     }
-    println!(
+    table(&[
         "\n## Tiny GPT (4 blocks, context 128, 4 sequences per micro-batch) at pp = 2, one \
-         process and one core per rank\n"
-    );
-    println!(
+         process and one core per rank\n",
         "| pp | m | schedule | measured bubble | theory | peak stored activations per rank | \
-         peak heap growth of a step per rank |"
-    );
-    println!("|---|---|---|---|---|---|---|");
+         peak heap growth of a step per rank |",
+        "|---|---|---|---|---|---|---|",
+    ]);
     for m in [4, 8, 16] {
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
             let schedule = Schedule::build(kind, 2, 1, m)?;
             let measured = launch_workers(&schedule, "gpt", &args)?;
-            println!("{}", row(&schedule, &measured, true));
+            report(&schedule, "gpt", &measured, args.json)?;
         }
     }
     Ok(())
 }
 
-fn row(schedule: &Schedule, measured: &Measurements, with_heap: bool) -> String {
+/// Prints one configuration: a JSON line, or a table row (with the heap column for `gpt`).
+fn report(
+    schedule: &Schedule,
+    stage: &str,
+    measured: &Measurements,
+    json: bool,
+) -> anyhow::Result<()> {
     let all: Vec<f64> = measured.bubble.iter().flatten().copied().collect();
     let mean = all.iter().sum::<f64>() / all.len().max(1) as f64;
     let kind = match schedule.kind {
         ScheduleKind::Interleaved => format!("interleaved v={}", schedule.virtual_stages),
         other => other.to_string(),
     };
-    let mut line = format!(
+    if json {
+        let line = Line {
+            stage,
+            pp: schedule.stages,
+            microbatches: schedule.microbatches,
+            schedule: schedule.kind.to_string(),
+            virtual_stages: schedule.virtual_stages,
+            bubble: mean,
+            bubble_theory: schedule.theoretical_bubble(),
+            peak_activations: &measured.peak_activations,
+            heap_growth_bytes: &measured.heap_growth,
+        };
+        println!("{}", serde_json::to_string(&line)?);
+        return Ok(());
+    }
+    let mut row = format!(
         "| {} | {} | {kind} | {:.1}% | {:.1}% | {:?} |",
         schedule.stages,
         schedule.microbatches,
@@ -136,15 +180,16 @@ fn row(schedule: &Schedule, measured: &Measurements, with_heap: bool) -> String 
         100.0 * schedule.theoretical_bubble(),
         measured.peak_activations
     );
-    if with_heap {
+    if stage == "gpt" {
         let mib: Vec<String> = measured
             .heap_growth
             .iter()
             .map(|b| format!("{:.1} MiB", *b as f64 / f64::from(1 << 20)))
             .collect();
-        line.push_str(&format!(" {} |", mib.join(", ")));
+        row.push_str(&format!(" {} |", mib.join(", ")));
     }
-    line
+    println!("{row}");
+    Ok(())
 }
 
 /// Runs `schedule` with one worker process per rank and returns rank 0's report.
