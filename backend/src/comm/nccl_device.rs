@@ -319,56 +319,6 @@ impl NcclComm {
             )
         })
     }
-
-    /// Sends `count` elements to `peer` (group rank), which must post the matching receive.
-    ///
-    /// # Safety
-    /// As [`all_reduce`](Self::all_reduce), for `buffer`.
-    pub unsafe fn send(
-        &mut self,
-        buffer: u64,
-        count: usize,
-        dtype: c_int,
-        peer: usize,
-    ) -> Result<(), CommError> {
-        let f = self.library.send;
-        // SAFETY: as above.
-        self.run("ncclSend", |comm, stream| unsafe {
-            f(
-                buffer as *const c_void,
-                count,
-                dtype,
-                peer as c_int,
-                comm,
-                stream,
-            )
-        })
-    }
-
-    /// Receives `count` elements from `peer` (group rank) into `buffer`.
-    ///
-    /// # Safety
-    /// As [`all_reduce`](Self::all_reduce), for `buffer`.
-    pub unsafe fn recv(
-        &mut self,
-        buffer: u64,
-        count: usize,
-        dtype: c_int,
-        peer: usize,
-    ) -> Result<(), CommError> {
-        let f = self.library.recv;
-        // SAFETY: as above.
-        self.run("ncclRecv", |comm, stream| unsafe {
-            f(
-                buffer as *mut c_void,
-                count,
-                dtype,
-                peer as c_int,
-                comm,
-                stream,
-            )
-        })
-    }
 }
 
 /// How many CUDA devices the driver sees.
@@ -487,6 +437,29 @@ impl NcclComm {
         })
     }
 
+    /// Runs `per_root(root, count, byte_offset, comm, stream)` for every rank as one NCCL
+    /// group, where rank q's block has `counts[q]` elements and starts `Σ_{p<q} counts[p]`
+    /// elements of `elem_bytes` into its buffer. Stops at the first non-zero status.
+    fn run_per_root(
+        &mut self,
+        call: &str,
+        counts: &[usize],
+        elem_bytes: usize,
+        per_root: impl Fn(c_int, usize, u64, RawComm, RawStream) -> c_int,
+    ) -> Result<(), CommError> {
+        let starts = offsets(counts);
+        self.run_grouped(call, |comm, stream| {
+            for (root, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
+                let byte_offset = (start * elem_bytes) as u64;
+                let status = per_root(root as c_int, count, byte_offset, comm, stream);
+                if status != 0 {
+                    return status;
+                }
+            }
+            0
+        })
+    }
+
     /// An all-gather with per-rank sizes: rank q's `counts[q]` elements (at `send` on rank q)
     /// land at element offset `Σ_{p<q} counts[p]` of `recv` on every rank. One group of
     /// broadcasts, one rooted at each rank.
@@ -502,28 +475,27 @@ impl NcclComm {
         (dtype, elem_bytes): (c_int, usize),
     ) -> Result<(), CommError> {
         let f = self.library.broadcast;
-        let starts = offsets(counts);
-        self.run_grouped("ncclBroadcast (all-gather, uneven)", |comm, stream| {
-            for (root, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
-                let at = recv + (start * elem_bytes) as u64;
+        let call = "ncclBroadcast (all-gather, uneven)";
+        self.run_per_root(
+            call,
+            counts,
+            elem_bytes,
+            |root, count, offset, comm, stream| {
+                let at = recv + offset;
                 // SAFETY: the caller guarantees the buffers; `at` stays inside `recv`.
-                let status = unsafe {
+                unsafe {
                     f(
                         send as *const c_void,
                         at as *mut c_void,
                         count,
                         dtype,
-                        root as c_int,
+                        root,
                         comm,
                         stream,
                     )
-                };
-                if status != 0 {
-                    return status;
                 }
-            }
-            0
-        })
+            },
+        )
     }
 
     /// A reduce-scatter with per-rank sizes: `recv` (`counts[rank]` elements) = this rank's
@@ -541,29 +513,28 @@ impl NcclComm {
         op: c_int,
     ) -> Result<(), CommError> {
         let f = self.library.reduce;
-        let starts = offsets(counts);
-        self.run_grouped("ncclReduce (reduce-scatter, uneven)", |comm, stream| {
-            for (root, (&count, &start)) in counts.iter().zip(&starts).enumerate() {
-                let from = send + (start * elem_bytes) as u64;
+        let call = "ncclReduce (reduce-scatter, uneven)";
+        self.run_per_root(
+            call,
+            counts,
+            elem_bytes,
+            |root, count, offset, comm, stream| {
+                let from = send + offset;
                 // SAFETY: the caller guarantees the buffers; `from` stays inside `send`.
-                let status = unsafe {
+                unsafe {
                     f(
                         from as *const c_void,
                         recv as *mut c_void,
                         count,
                         dtype,
                         op,
-                        root as c_int,
+                        root,
                         comm,
                         stream,
                     )
-                };
-                if status != 0 {
-                    return status;
                 }
-            }
-            0
-        })
+            },
+        )
     }
 }
 
