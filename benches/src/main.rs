@@ -3,6 +3,8 @@
 mod alloc;
 mod comm;
 mod decorator;
+mod dp;
+mod memory;
 mod pp;
 mod train;
 mod train_profile;
@@ -30,6 +32,15 @@ enum Command {
     /// Pipeline parallelism: measured bubble against theory; 1F1B's stored activations and
     /// memory against GPipe's.
     Pp(pp::PpArgs),
+    /// Model-state bytes per rank under ZeRO 0–3 at dp = 1, 2, 4 (gpt2 preset), and the peak of a
+    /// tiny-model training step per stage.
+    Memory(memory::MemoryArgs),
+    /// Data-parallel throughput of the tiny model at dp = 1 and 2, threads and processes, with
+    /// scaling efficiency and the communication share of a step.
+    Dp(dp::DpArgs),
+    /// One data-parallel training process of `dp`.
+    #[command(hide = true)]
+    DpWorker(dp::WorkerArgs),
     /// Where a tiny-GPT training step spends its time, component by component.
     TrainProfile(train_profile::ProfileArgs),
     /// One measurement process of `train`.
@@ -49,6 +60,9 @@ fn main() -> anyhow::Result<()> {
         Command::CommWorker(args) => comm::worker(args),
         Command::Decorator(args) => decorator::run(args),
         Command::Pp(args) => pp::run(args),
+        Command::Memory(args) => memory::run(args),
+        Command::Dp(args) => dp::run(args),
+        Command::DpWorker(args) => dp::worker(args),
         Command::PpWorker(args) => pp::worker(args),
         Command::Train(args) => train::run(args),
         Command::TrainWorker(args) => train::worker(args),

@@ -74,6 +74,7 @@ fn train_config() -> TrainSection {
         max_steps: 1000,
         micro_batch: BATCH,
         grad_accum: 1,
+        global_batch: None,
         lr: 1e-3,
         min_lr: 1e-4,
         warmup_steps: 0,

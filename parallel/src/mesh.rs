@@ -3,11 +3,12 @@
 //! before any training).
 //!
 //! Rank grid: row-major over (dp, pp, tp) with tp fastest, so tensor-parallel peers are
-//! neighbours (as GPUs of one node are). Data and tensor parallelism arrive with their own
-//! issues; until then `dp` and `tp` must be 1.
+//! neighbours (as GPUs of one node are). Tensor parallelism arrives with its own issue; until
+//! then `tp` must be 1.
 
 use std::ops::Range;
 
+use crate::fsdp::ZeroStage;
 use crate::pp::{
     CheckError, PartitionError, Schedule, ScheduleError, ScheduleKind, check, partition,
 };
@@ -41,6 +42,24 @@ pub enum MeshError {
         value: usize,
         why: &'static str,
     },
+    #[error(
+        "the global batch is {global} sequences, but micro-batch {micro} × accumulation \
+         {accumulation} × dp {dp} = {product}: change one of them (or leave the global batch \
+         unset and it is that product)"
+    )]
+    Batch {
+        global: usize,
+        micro: usize,
+        accumulation: usize,
+        dp: usize,
+        product: usize,
+    },
+    #[error(
+        "ZeRO stage 3 shards the parameters of the pipeline stage a rank holds and needs pp = 1 \
+         (as DeepSpeed's pipeline engine does), but pp = {pp}: use ZeRO stage 1 or 2 with \
+         pipeline parallelism"
+    )]
+    ZeroWithPipeline { pp: usize },
     #[error("{0}")]
     Partition(#[from] PartitionError),
     #[error("{0}")]
@@ -79,15 +98,60 @@ impl ParallelDims {
                 product,
             });
         }
-        for (what, value, why) in [
-            ("dp", self.dp, "data parallelism is not implemented yet"),
-            ("tp", self.tp, "tensor parallelism is not implemented yet"),
-        ] {
-            if value != 1 {
-                return Err(MeshError::NotYet { what, value, why });
-            }
+        if self.tp != 1 {
+            return Err(MeshError::NotYet {
+                what: "tp",
+                value: self.tp,
+                why: "tensor parallelism is not implemented yet",
+            });
         }
         Ok(())
+    }
+
+    /// Checks a ZeRO stage against the layout.
+    pub fn check_zero(&self, stage: ZeroStage) -> Result<(), MeshError> {
+        if stage == ZeroStage::Three && self.pp > 1 {
+            return Err(MeshError::ZeroWithPipeline { pp: self.pp });
+        }
+        Ok(())
+    }
+
+    /// The global batch (sequences per optimizer step): `micro × accumulation × dp`, which
+    /// `global`, when given, must equal.
+    pub fn global_batch(
+        &self,
+        global: Option<usize>,
+        micro: usize,
+        accumulation: usize,
+    ) -> Result<usize, MeshError> {
+        let product = micro * accumulation * self.dp;
+        match global {
+            Some(global) if global != product => Err(MeshError::Batch {
+                global,
+                micro,
+                accumulation,
+                dp: self.dp,
+                product,
+            }),
+            _ => Ok(product),
+        }
+    }
+
+    /// The global ranks of `global`'s pipeline (same dp and tp coordinates), in stage order.
+    pub fn pipeline_ranks(&self, global: usize) -> Vec<usize> {
+        let (dp, _, tp) = self.coordinates(global);
+        (0..self.pp)
+            .map(|pp| (dp * self.pp + pp) * self.tp + tp)
+            .collect()
+    }
+
+    /// The global ranks of `global`'s data-parallel group (same pp and tp coordinates), in dp
+    /// order.
+    pub fn data_ranks(&self, global: usize) -> Vec<usize> {
+        let (_, pp, tp) = self.coordinates(global);
+        (0..self.dp)
+            .map(|dp| (dp * self.pp + pp) * self.tp + tp)
+            .collect()
     }
 
     /// `global`'s coordinates `(dp, pp, tp)` in the rank grid.
@@ -140,10 +204,49 @@ mod tests {
             "the world has 2 ranks, but dp 1 × tp 1 × pp 4 = 4: start 4 ranks (`wildfire launch \
              --nproc-per-node 4 -- …`, or `--transport local` for threads) or change the degrees"
         );
-        let dp = ParallelDims { dp: 2, ..dims };
+        let tp = ParallelDims { tp: 2, ..dims };
         assert_eq!(
-            dp.validate(8).unwrap_err().to_string(),
-            "dp = 2 is not supported yet (only 1): data parallelism is not implemented yet"
+            tp.validate(8).unwrap_err().to_string(),
+            "tp = 2 is not supported yet (only 1): tensor parallelism is not implemented yet"
+        );
+        assert!(ParallelDims { dp: 2, ..dims }.validate(8).is_ok());
+    }
+
+    #[test]
+    fn groups_follow_the_grid() {
+        let dims = ParallelDims {
+            dp: 2,
+            tp: 1,
+            pp: 3,
+        };
+        assert_eq!(dims.pipeline_ranks(4), [3, 4, 5]);
+        assert_eq!(dims.data_ranks(4), [1, 4]);
+        assert_eq!(dims.data_ranks(0), [0, 3]);
+    }
+
+    #[test]
+    fn the_global_batch_is_the_product_of_its_terms() {
+        let dims = ParallelDims {
+            dp: 4,
+            tp: 1,
+            pp: 1,
+        };
+        assert_eq!(dims.global_batch(None, 8, 2).unwrap(), 64);
+        assert_eq!(dims.global_batch(Some(64), 8, 2).unwrap(), 64);
+        assert_eq!(
+            dims.global_batch(Some(60), 8, 2).unwrap_err().to_string(),
+            "the global batch is 60 sequences, but micro-batch 8 × accumulation 2 × dp 4 = 64: \
+             change one of them (or leave the global batch unset and it is that product)"
+        );
+        assert!(dims.check_zero(ZeroStage::Three).is_ok());
+        let piped = ParallelDims { pp: 2, ..dims };
+        assert!(piped.check_zero(ZeroStage::Two).is_ok());
+        assert!(
+            piped
+                .check_zero(ZeroStage::Three)
+                .unwrap_err()
+                .to_string()
+                .contains("pp = 2")
         );
     }
 

@@ -53,6 +53,22 @@ pub struct TrainArgs {
     /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
     #[arg(long, value_name = "hf:PATH")]
     pub init_from: Option<String>,
+    /// Data-parallel ranks (sets parallel.dp).
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// ZeRO stage over the data-parallel ranks: 0 (DDP), 1, 2 or 3 (FSDP) (sets parallel.zero).
+    #[arg(long)]
+    pub zero: Option<u8>,
+    /// Gradient bucket size in MiB (sets parallel.bucket_mb).
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
+    /// Keep ZeRO's optimizer state in host memory (sets parallel.offload_optimizer).
+    #[arg(long)]
+    pub offload_optimizer: bool,
+    /// Sequences per step over all data-parallel ranks; must equal micro_batch × grad_accum ×
+    /// dp (sets train.global_batch).
+    #[arg(long)]
+    pub global_batch: Option<usize>,
     /// Pipeline-parallel ranks (sets parallel.pp).
     #[arg(long)]
     pub pp: Option<usize>,
@@ -89,6 +105,17 @@ impl TrainArgs {
         set(
             "data.path",
             self.data.as_ref().map(|p| quoted(&p.display().to_string())),
+        );
+        set("parallel.dp", self.dp.map(|n| n.to_string()));
+        set("parallel.zero", self.zero.map(|n| n.to_string()));
+        set("parallel.bucket_mb", self.bucket_mb.map(|n| n.to_string()));
+        set(
+            "parallel.offload_optimizer",
+            self.offload_optimizer.then(|| "true".to_string()),
+        );
+        set(
+            "train.global_batch",
+            self.global_batch.map(|n| n.to_string()),
         );
         set("parallel.pp", self.pp.map(|n| n.to_string()));
         set("train.grad_accum", self.microbatches.map(|n| n.to_string()));

@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
 
 use crate::data::TokenizerKind;
@@ -66,6 +67,9 @@ pub struct TrainSection {
     pub micro_batch: usize,
     /// Micro-batches accumulated per optimizer step.
     pub grad_accum: usize,
+    /// Sequences per optimizer step over every data-parallel rank. Optional: it must equal
+    /// `micro_batch × grad_accum × parallel.dp`, which it is when absent.
+    pub global_batch: Option<usize>,
     /// Peak learning rate, reached at the end of warmup.
     pub lr: f64,
     /// Learning rate at the end of the cosine decay (step `max_steps`).
@@ -112,6 +116,15 @@ pub struct RunSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelSection {
+    /// Data-parallel ranks (replicas, or shards under ZeRO).
+    pub dp: usize,
+    /// ZeRO stage over the data-parallel ranks: 0 (DDP), 1 (optimizer state sharded), 2 (and
+    /// gradients), 3 (and parameters, FSDP).
+    pub zero: u8,
+    /// Size of the gradient buckets of the data-parallel reduction, in MiB.
+    pub bucket_mb: f64,
+    /// Keep the ZeRO optimizer's moments and master parameters in host memory and update there.
+    pub offload_optimizer: bool,
     /// Pipeline-parallel ranks.
     pub pp: usize,
     /// Model chunks per pipeline rank (more than 1 needs the interleaved schedule).
@@ -139,6 +152,10 @@ pub enum Transport {
 impl Default for ParallelSection {
     fn default() -> Self {
         Self {
+            dp: 1,
+            zero: 0,
+            bucket_mb: 25.0,
+            offload_optimizer: false,
             pp: 1,
             virtual_stages: 1,
             schedule: "1f1b".into(),
@@ -149,6 +166,27 @@ impl Default for ParallelSection {
 }
 
 impl ParallelSection {
+    /// The ZeRO stage `zero` names.
+    pub fn zero_stage(&self) -> anyhow::Result<ZeroStage> {
+        ZeroStage::from_level(self.zero).with_context(|| {
+            format!(
+                "parallel.zero = {} is not a ZeRO stage (0, 1, 2 or 3)",
+                self.zero
+            )
+        })
+    }
+
+    /// The bucket size in bytes.
+    pub fn bucket_bytes(&self) -> anyhow::Result<usize> {
+        if !(self.bucket_mb > 0.0 && self.bucket_mb.is_finite()) {
+            bail!(
+                "parallel.bucket_mb = {} must be a positive number of MiB",
+                self.bucket_mb
+            );
+        }
+        Ok((self.bucket_mb * (1 << 20) as f64) as usize)
+    }
+
     /// The schedule kind named by `schedule`.
     pub fn schedule_kind(&self) -> anyhow::Result<ScheduleKind> {
         self.schedule
@@ -279,6 +317,8 @@ impl RunConfig {
         // The parallel layout is validated in one place, `ParallelDims::pipeline`, before a run
         // touches its directory; only the schedule's name is read here.
         self.parallel.schedule_kind()?;
+        self.parallel.zero_stage()?;
+        self.parallel.bucket_bytes()?;
         Ok(())
     }
 }
@@ -322,11 +362,13 @@ impl ModelSection {
 /// RNG, so changing one would break the bitwise continuation. Other keys (`train.max_steps`,
 /// `checkpoint.*`, `run.*`, the schedule) may change on resume.
 /// (The model is compared after resolving its preset, by [`check_same_model`].)
-const LOCKED_ON_RESUME: [&str; 4] = [
+const LOCKED_ON_RESUME: [&str; 6] = [
     "data",
     "train.seed",
     "train.micro_batch",
     "train.grad_accum",
+    "train.global_batch",
+    "parallel.dp",
 ];
 
 impl RunConfig {

@@ -37,6 +37,14 @@ impl MatrixDecayAdamW {
     }
 }
 
+impl MatrixDecayAdamW {
+    /// The AdamW of matrices and that of vectors (for optimizers that group parameters by
+    /// kind, as ZeRO's flat buckets do).
+    pub fn halves(&self) -> (AdamW, AdamW) {
+        (self.matrices.clone(), self.vectors.clone())
+    }
+}
+
 impl std::fmt::Debug for MatrixDecayAdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("MatrixDecayAdamW")
@@ -252,11 +260,17 @@ pub fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     sum_of_squares: f64,
 ) -> f64 {
     let norm = sum_of_squares.sqrt();
-    let factor = max_norm / (norm + 1e-6);
-    if max_norm > 0.0 && factor < 1.0 {
+    if let Some(factor) = clip_factor(norm, max_norm) {
         scale_grads(module, grads, factor);
     }
     norm
+}
+
+/// The factor `c = max_norm / (norm + 10⁻⁶)` that clips a gradient of norm `norm`, when
+/// clipping is on (`max_norm > 0`) and `c < 1`.
+pub fn clip_factor(norm: f64, max_norm: f64) -> Option<f64> {
+    let factor = max_norm / (norm + 1e-6);
+    (max_norm > 0.0 && factor < 1.0).then_some(factor)
 }
 
 /// Multiplies every gradient of `module` by `factor`.

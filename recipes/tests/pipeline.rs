@@ -10,162 +10,12 @@
 //! Σ_mb h_mb`), a few ulps apart; AdamW then amplifies such differences where gradients are tiny.
 //! The tied test compares within stated tolerances instead.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-use burn::tensor::TensorData;
-use serde_json::Value;
-use wildfire_recipes::checkpoint;
+use std::path::PathBuf;
+use std::time::Duration;
 
-const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
-/// Every run here is killed after this long.
-const LIMIT: Duration = Duration::from_secs(240);
-
-fn run_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wildfire-pp-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-/// 10 steps of the tiny model (4 blocks) on short windows, 4 micro-batches per step,
-/// evaluated at the end.
-fn base_args(dir: &Path) -> Vec<String> {
-    let sets = [
-        format!("run.dir={}", dir.display()),
-        format!("data.path={CORPUS}"),
-        "model.context=32".into(),
-        "train.micro_batch=2".into(),
-        "train.max_steps=10".into(),
-        "train.warmup_steps=2".into(),
-        "train.eval_every=10".into(),
-        "train.eval_batches=2".into(),
-        "checkpoint.every=0".into(),
-        "run.threads=1".into(),
-    ];
-    let mut args = vec!["train".to_string(), "--microbatches".into(), "4".into()];
-    for set in sets {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
-}
-
-/// Runs `command` to completion or kills it at `limit`; returns its output.
-fn finish(mut child: Child, limit: Duration) -> Output {
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
-            panic!(
-                "killed after {limit:?}:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().expect("output")
-}
-
-fn spawn(program: &str, args: &[String]) -> Child {
-    Command::new(program)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// `wildfire train` with the base arguments plus `extra`, which must succeed.
-fn train(name: &str, extra: &[&str]) -> PathBuf {
-    let dir = run_dir(name);
-    let mut args = base_args(&dir);
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
-    assert!(out.status.success(), "{args:?}:\n{}", text(&out));
-    dir
-}
-
-fn records(dir: &Path, kind: &str) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .expect("metrics.jsonl")
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
-        .filter(|v| v["kind"] == kind)
-        .collect()
-}
-
-fn series(dir: &Path, kind: &str, key: &str) -> Vec<f64> {
-    records(dir, kind)
-        .iter()
-        .map(|v| v[key].as_f64().expect(key))
-        .collect()
-}
-
-/// The final checkpoint's parameters by name.
-fn params(dir: &Path) -> BTreeMap<String, TensorData> {
-    let latest = checkpoint::resolve(dir).expect("a checkpoint");
-    checkpoint::load(&latest).expect("readable").params
-}
-
-fn assert_close_losses(serial: &[f64], parallel: &[f64], tolerance: f64, what: &str) {
-    assert_eq!(serial.len(), parallel.len(), "{what}: step counts");
-    for (step, (a, b)) in serial.iter().zip(parallel).enumerate() {
-        let rel = (a - b).abs() / a.abs();
-        assert!(
-            rel <= tolerance,
-            "{what} step {step}: serial {a}, parallel {b} (rel {rel:e})"
-        );
-    }
-}
-
-/// Whether element `i` of parameter `name` (of `len` elements) is a key bias: the middle third
-/// of a fused QKV bias. Softmax ignores a score shift shared by every key, and `q·(k + b)` shifts
-/// every key's score by `q·b`, so the key bias's gradient is exactly zero; what the backend
-/// computes is rounding noise (~1e-10), which AdamW, dividing by `√v`, turns into full-size
-/// steps. Its values are noise in any run and differ with any reordering of sums, so they are
-/// left out of the comparison (everything else is compared).
-fn is_key_bias(name: &str, i: usize, len: usize) -> bool {
-    name.ends_with("attn.c_attn.bias") && (len / 3..2 * len / 3).contains(&i)
-}
-
-/// The largest absolute difference between two runs' parameters (key biases aside, see
-/// [`is_key_bias`]), and where it is.
-fn max_param_difference(
-    a: &BTreeMap<String, TensorData>,
-    b: &BTreeMap<String, TensorData>,
-) -> (f32, String) {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "the same parameters"
-    );
-    let mut worst = (0.0, String::new());
-    for (name, x) in a {
-        let (x, y): (Vec<f32>, Vec<f32>) =
-            (x.to_vec().expect("f32"), b[name].to_vec().expect("f32"));
-        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-            if is_key_bias(name, i, x.len()) {
-                continue;
-            }
-            if (p - q).abs() > worst.0 {
-                worst = ((p - q).abs(), format!("{name}[{i}]: {p} vs {q}"));
-            }
-        }
-    }
-    worst
-}
+use common::*;
 
 const UNTIED: [&str; 2] = ["--set", "model.tie_embeddings=false"];
 /// pp = 2 with 2 model chunks per rank.
@@ -356,24 +206,6 @@ fn bad_pipelines_are_named() {
     }
 }
 
-/// The pid of the launcher's child whose environment says `RANK=rank`.
-fn child_with_rank(launcher: u32, rank: usize) -> Option<u32> {
-    let wanted = format!("RANK={rank}");
-    std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .find_map(|entry| {
-            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let parent: u32 = stat.rsplit(") ").next()?.split(' ').nth(1)?.parse().ok()?;
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            let has_rank = environ
-                .split(|b| *b == 0)
-                .any(|var| var == wanted.as_bytes());
-            (parent == launcher && has_rank).then_some(pid)
-        })
-}
-
 /// A rank killed in the middle of a pipeline run over processes makes the job fail, naming it,
 /// well within the communication deadline (60 s here).
 #[test]
@@ -381,37 +213,7 @@ fn a_killed_pipeline_rank_fails_the_job() {
     let dir = run_dir("killed");
     let mut train_args = base_args(&dir);
     train_args.extend(["--pp", "2", "--set", "train.max_steps=100000"].map(String::from));
-    let mut args: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "29671",
-        "--",
-    ]
-    .map(String::from)
-    .into();
-    args.push(env!("CARGO_BIN_EXE_wildfire").into());
-    args.extend(train_args);
-    let mut command = Command::new(env!("CARGO_BIN_EXE_wildfire"));
-    command
-        .args(&args)
-        .env("WILDFIRE_COMM_TIMEOUT", "60")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let launcher = command.spawn().expect("launch");
-    let started = Instant::now();
-    // Wait until the pipeline has run two steps.
-    while records_if_any(&dir) < 2 {
-        assert!(started.elapsed() < LIMIT, "no progress");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let victim = child_with_rank(launcher.id(), 1).expect("rank 1's process");
-    // SAFETY: kill(2) on a pid read from /proc.
-    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-    let killed = Instant::now();
-    let out = finish(launcher, LIMIT);
-    let waited = killed.elapsed();
+    let (out, waited) = launch_and_kill(&dir, 2, 29671, train_args, 1);
     assert!(!out.status.success(), "{}", text(&out));
     // Either the launcher sees the SIGKILL first, or rank 0 fails first naming its lost peer.
     let out = text(&out);
@@ -423,10 +225,4 @@ fn a_killed_pipeline_rank_fails_the_job() {
         waited < Duration::from_secs(30),
         "took {waited:?} after the kill"
     );
-}
-
-fn records_if_any(dir: &Path) -> usize {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .map(|t| t.lines().filter(|l| l.contains("\"train\"")).count())
-        .unwrap_or(0)
 }

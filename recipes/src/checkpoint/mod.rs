@@ -5,6 +5,13 @@
 //! shape and slice, a manifest with sha256s, atomic commit). Parameters are stored under their
 //! global names (`blocks.3.mlp.c_fc.weight`); AdamW's moments under `optim.exp_avg.<name>` and
 //! `optim.exp_avg_sq.<name>`, PyTorch's names for them.
+//!
+//! **Who writes what.** Each rank writes only what it holds, once: a pipeline rank its stages;
+//! of data-parallel replicas only the first writes what they all hold (parameters, and moments
+//! under ZeRO 0); under ZeRO 1–3 every rank writes its owned parts of the moments (and under
+//! ZeRO 3 of the parameters) as pieces of the flattened tensor: global shape `[numel]`, offset
+//! and length in it. Loading joins the pieces of every file, so a checkpoint resumes under any
+//! ZeRO stage and pipeline layout.
 
 mod distributed;
 pub mod store;
@@ -27,7 +34,10 @@ use wildfire_backend::comm::ProcessGroup;
 use crate::model::params::{ParamFn, collect_params, load_params, param_names};
 use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW};
+use crate::train::Optimizers;
+use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
+use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
 
 const EXP_AVG: &str = "optim.exp_avg.";
 const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
@@ -52,6 +62,9 @@ pub struct TrainState {
     pub schedule_step: u64,
     /// AdamW's step count `t` (bias correction) per parameter that has moments.
     pub optimizer_steps: BTreeMap<String, usize>,
+    /// The shapes of parameters stored flattened in pieces (ZeRO 3), to restore on load.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub flat_shapes: BTreeMap<String, Vec<usize>>,
 }
 
 fn to_slice(name: String, data: TensorData) -> anyhow::Result<TensorSlice> {
@@ -100,6 +113,16 @@ fn to_data(slice: TensorSlice) -> anyhow::Result<(String, TensorData)> {
     ))
 }
 
+/// `data` in `shape`: itself, or a flattened tensor of as many elements (a sharded checkpoint's).
+pub(crate) fn shaped(data: &TensorData, shape: &[usize]) -> Option<TensorData> {
+    if data.shape.as_slice() == shape {
+        return Some(data.clone());
+    }
+    let numel: usize = shape.iter().product();
+    (data.shape.as_slice() == [numel])
+        .then(|| TensorData::from_bytes_vec(data.as_bytes().to_vec(), shape.to_vec(), data.dtype))
+}
+
 /// The name a parameter is stored under: the head's tied copy of the token embedding is the
 /// embedding (see `Head::wte`); every other parameter is itself.
 fn stored_name(name: &str) -> &str {
@@ -139,35 +162,66 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
     }
 }
 
-/// Writes a committed checkpoint of this rank's `model` chunks, their `optimizer` moments and
-/// `state` under `root`: every rank of `world` writes its own shard (the tensors it holds, by
-/// global name), and rank 0 commits once all are written. Returns the directory.
+/// Writes a committed checkpoint of this rank's `model` chunks, their optimizer state and
+/// `state` under `root`: every rank of `world` writes its own shard (what it holds, see the
+/// module doc; `data_rank` is its rank among data-parallel replicas), and rank 0 commits once
+/// all are written. Returns the directory.
 pub fn save<B: AutodiffBackend>(
     root: &Path,
     model: &GptChunks<B>,
-    optimizer: &ChunksOptimizer<B>,
+    optimizers: &Optimizers<B>,
     mut state: TrainState,
     world: &ProcessGroup,
+    data_rank: usize,
 ) -> anyhow::Result<PathBuf> {
-    let records = optimizer.to_record();
-    let mut moments = CollectMoments::<B> {
-        records: &records,
-        tensors: Vec::new(),
-        steps: BTreeMap::new(),
-    };
-    model.for_each_param(&mut moments);
-    let params = model
-        .chunks
-        .iter()
-        .flat_map(|chunk| collect_params(chunk, chunk.first_block))
-        .filter(|(name, _, _)| name != TIED_COPY)
-        .map(|(name, _, data)| (name, data));
-    let slices = params
-        .chain(moments.tensors)
-        .map(|(name, data)| to_slice(name, data))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Every rank's moment step counts go into the one manifest.
-    state.optimizer_steps = gather_steps(world, moments.steps)?;
+    let first_replica = data_rank == 0;
+    let mut slices = Vec::new();
+    let mut steps = BTreeMap::new();
+    let mut shapes = BTreeMap::new();
+    if first_replica && optimizers.stage() != ZeroStage::Three {
+        let params = model
+            .chunks
+            .iter()
+            .flat_map(|chunk| collect_params(chunk, chunk.first_block))
+            .filter(|(name, _, _)| name != TIED_COPY);
+        for (name, _, data) in params {
+            slices.push(to_slice(name, data)?);
+        }
+    }
+    match optimizers {
+        Optimizers::Replicated { optimizer, .. } if first_replica => {
+            let records = optimizer.to_record();
+            let mut moments = CollectMoments::<B> {
+                records: &records,
+                tensors: Vec::new(),
+                steps: BTreeMap::new(),
+            };
+            model.for_each_param(&mut moments);
+            for (name, data) in moments.tensors {
+                slices.push(to_slice(name, data)?);
+            }
+            steps = moments.steps;
+        }
+        Optimizers::Replicated { .. } => {}
+        Optimizers::Sharded(_) => {
+            let zero = optimizers.sharded().context("a sharded optimizer")?;
+            let names = names_by_id(model);
+            for piece in zero.pieces() {
+                let name = &names[&piece.id];
+                if name == TIED_COPY {
+                    continue;
+                }
+                slices.extend(piece_slices(name, &piece));
+                steps.insert(name.clone(), piece.time);
+            }
+            for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
+                shapes.insert(names[&slot.param.id].clone(), slot.param.shape.clone());
+            }
+        }
+    }
+    // Every rank's step counts and flattened shapes go into the one manifest.
+    state.optimizer_steps = gather_union(world, steps)?;
+    state.flat_shapes = gather_union(world, shapes)?;
     if world.size() == 1 {
         let state = serde_json::to_value(&state)?;
         return Ok(store::write_checkpoint(
@@ -180,20 +234,102 @@ pub fn save<B: AutodiffBackend>(
     distributed::save(root, world, &slices, serde_json::to_value(&state)?)
 }
 
+/// Every parameter's global name, by id.
+fn names_by_id<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
+    struct Names(BTreeMap<ParamId, String>);
+    impl<B: Backend> ParamFn<B> for Names {
+        fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+            self.0.insert(param.id, name.to_string());
+        }
+    }
+    let mut names = Names(BTreeMap::new());
+    model.for_each_param(&mut names);
+    names.0
+}
+
+/// A piece of a flattened parameter (and its moments) as stored slices.
+fn piece_slices(name: &str, piece: &Piece) -> Vec<TensorSlice> {
+    let stored = [
+        (name.to_string(), &piece.param),
+        (format!("{EXP_AVG}{name}"), &piece.exp_avg),
+        (format!("{EXP_AVG_SQ}{name}"), &piece.exp_avg_sq),
+    ];
+    stored
+        .into_iter()
+        .filter_map(|(name, data)| {
+            let data = data.as_ref()?;
+            Some(TensorSlice {
+                name,
+                dtype: Dtype::F32,
+                global_shape: vec![piece.param_numel],
+                offset: vec![piece.offset],
+                shape: vec![piece.numel],
+                bytes: data.as_bytes().to_vec(),
+            })
+        })
+        .collect()
+}
+
+/// The tensors of a checkpoint by name, each joined from its slices: a whole tensor, or the
+/// pieces of a flattened one (which must cover it exactly).
+fn join_slices(slices: Vec<TensorSlice>) -> anyhow::Result<BTreeMap<String, TensorData>> {
+    let mut by_name: BTreeMap<String, Vec<TensorSlice>> = BTreeMap::new();
+    for slice in slices {
+        by_name.entry(slice.name.clone()).or_default().push(slice);
+    }
+    let mut tensors = BTreeMap::new();
+    for (name, mut pieces) in by_name {
+        if pieces.len() == 1 && pieces[0].shape == pieces[0].global_shape {
+            let (name, data) = to_data(pieces.remove(0))?;
+            tensors.insert(name, data);
+            continue;
+        }
+        pieces.sort_by_key(|p| p.offset.first().copied().unwrap_or_default());
+        let total = pieces[0].global_shape.clone();
+        let mut bytes = Vec::new();
+        let mut next = 0;
+        for piece in &pieces {
+            if piece.global_shape.len() != 1
+                || piece.global_shape != total
+                || piece.offset[0] != next
+            {
+                bail!(
+                    "tensor {name}: its pieces do not tile it (a piece at {:?} of {:?} of global                      shape {:?}, expected one at [{next}] of shape {total:?})",
+                    piece.offset,
+                    piece.shape,
+                    piece.global_shape
+                );
+            }
+            next += piece.shape[0];
+            bytes.extend_from_slice(&piece.bytes);
+        }
+        if next != total[0] {
+            bail!(
+                "tensor {name}: its pieces cover {next} of {} elements",
+                total[0]
+            );
+        }
+        let dtype = pieces[0].dtype;
+        let (_, data) = to_data(TensorSlice::whole(name.clone(), dtype, total, bytes))?;
+        tensors.insert(name, data);
+    }
+    Ok(tensors)
+}
+
 fn state_step(state: &serde_json::Value) -> u64 {
     state["step"].as_u64().unwrap_or_default()
 }
 
-/// The union of every rank's `steps` (AdamW step counts by parameter name).
-fn gather_steps(
+/// The union of every rank's `map` (by parameter name).
+fn gather_union<T: Serialize + serde::de::DeserializeOwned>(
     world: &ProcessGroup,
-    steps: BTreeMap<String, usize>,
-) -> anyhow::Result<BTreeMap<String, usize>> {
+    map: BTreeMap<String, T>,
+) -> anyhow::Result<BTreeMap<String, T>> {
     if world.size() == 1 {
-        return Ok(steps);
+        return Ok(map);
     }
     let mut all = BTreeMap::new();
-    for part in distributed::all_gather_json(world, &steps)? {
+    for part in distributed::all_gather_json(world, &map)? {
         all.extend(part);
     }
     Ok(all)
@@ -214,8 +350,17 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
     let state: TrainState = serde_json::from_value(manifest.state)
         .with_context(|| format!("checkpoint {} has an unreadable state", dir.display()))?;
     let (mut params, mut moments) = (BTreeMap::new(), BTreeMap::new());
-    for slice in slices {
-        let (name, data) = to_data(slice)?;
+    for (name, data) in join_slices(slices)? {
+        let param = name
+            .strip_prefix(EXP_AVG)
+            .or_else(|| name.strip_prefix(EXP_AVG_SQ))
+            .unwrap_or(&name);
+        let data = match state.flat_shapes.get(param) {
+            Some(shape) => shaped(&data, shape).with_context(|| {
+                format!("tensor {name} has shape {:?}, not {shape:?}", data.shape)
+            })?,
+            None => data,
+        };
         if name.starts_with("optim.") {
             moments.insert(name, data);
         } else {
@@ -277,6 +422,64 @@ impl Loaded {
         Ok(GptChunks { chunks })
     }
 
+    /// The moments of every parameter of `model` that has them, flat, by id (to restore a
+    /// sharded optimizer from). The tied copy's are the embedding's.
+    pub fn moments_by_id<B: AutodiffBackend>(
+        &self,
+        model: &GptChunks<B>,
+    ) -> anyhow::Result<std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>> {
+        struct Gather<'a, B: AutodiffBackend> {
+            loaded: &'a Loaded,
+            found: std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>,
+            error: Option<anyhow::Error>,
+        }
+        impl<B: AutodiffBackend> ParamFn<B> for Gather<'_, B> {
+            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+                let stored = stored_name(name);
+                let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
+                    return;
+                };
+                let device = param.val().inner().device();
+                let take = |prefix: &str| {
+                    let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
+                    let numel = data.shape.iter().product::<usize>();
+                    let flat =
+                        TensorData::from_bytes_vec(data.as_bytes().to_vec(), [numel], data.dtype);
+                    Some(Tensor::<B::InnerBackend, 1>::from_data(flat, &device))
+                };
+                match (take(EXP_AVG), take(EXP_AVG_SQ)) {
+                    (Some(exp_avg), Some(exp_avg_sq)) => {
+                        self.found.insert(
+                            param.id,
+                            FullMoments {
+                                exp_avg,
+                                exp_avg_sq,
+                                time,
+                            },
+                        );
+                    }
+                    _ => {
+                        self.error.get_or_insert_with(|| {
+                            anyhow::anyhow!(
+                                "optimizer moments of {stored} are missing from the checkpoint"
+                            )
+                        });
+                    }
+                }
+            }
+        }
+        let mut gather = Gather::<B> {
+            loaded: self,
+            found: Default::default(),
+            error: None,
+        };
+        model.for_each_param(&mut gather);
+        match gather.error {
+            Some(error) => Err(error),
+            None => Ok(gather.found),
+        }
+    }
+
     /// Restores AdamW's moments onto `optimizer`, keyed by the ids of `model`'s parameters.
     pub fn apply_moments<B: AutodiffBackend>(
         &self,
@@ -298,8 +501,8 @@ impl Loaded {
                 let (device, shape) = (value.device(), value.dims());
                 let take = |prefix: &str| {
                     let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
-                    (data.shape.as_slice() == shape.as_slice())
-                        .then(|| Tensor::<B::InnerBackend, D>::from_data(data.clone(), &device))
+                    let data = shaped(data, &shape)?;
+                    Some(Tensor::<B::InnerBackend, D>::from_data(data, &device))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(m1), Some(m2)) => {

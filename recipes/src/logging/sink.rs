@@ -23,6 +23,8 @@ pub struct StepRecord {
     /// Model FLOPs utilisation in [0, 1]; absent when the device peak is unknown.
     pub mfu: Option<f64>,
     pub step_time_ms: f64,
+    /// Time in data-parallel collectives (gradient reduction; ZeRO's gathers), on rank 0.
+    pub comm_ms: f64,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineRecord>,

@@ -4,10 +4,12 @@
 //! ```text
 //! for s in start..max_steps:
 //!     reseed the backend RNG from (seed, s)                     # dropout, resumable
-//!     draw the step's global batch; cut it into grad_accum micro-batches
-//!     run the pipeline schedule over them: each micro-batch's backward starts from
-//!         (Σ token losses) / (tokens in the whole step)
-//!     sum the micro-batch gradients; clip by the global norm (over every rank)
+//!     draw this data-parallel rank's part of the step's global batch; cut it into grad_accum
+//!         micro-batches
+//!     run the pipeline schedule over them (or, under ZeRO 3, the sharded units): each
+//!         micro-batch's backward starts from (Σ token losses) / (tokens in the global batch)
+//!     sum the micro-batch gradients; reduce them over the data-parallel ranks (DDP or ZeRO,
+//!         see `update`); clip by the global norm (over every rank)
 //!     AdamW step at lr(s); log loss, lr, grad norm, tokens/s, MFU (and the pipeline's bubble)
 //!     every eval_every steps: validation loss; every checkpoint.every steps: checkpoint
 //! ```
@@ -20,17 +22,20 @@
 
 mod batch;
 mod setup;
+mod update;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{TrainOutcome, resume_config, run};
+pub use update::{Optimizers, UpdateGroups, check_same_init, inner_device, zero_layout};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::data::dataloader::Progress;
 use burn::module::Module;
 use burn::optim::GradientsAccumulator;
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::EventProcessorTraining;
 use burn::train::{
@@ -42,14 +47,15 @@ use burn::train::{
 use anyhow::bail;
 use burn::optim::GradientsParams;
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
+use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
 use wildfire_parallel::mesh::PipelinePlan;
-use wildfire_parallel::pp::{StepStats, graphs_lock, run_forward, run_step};
+use wildfire_parallel::pp::{StepStats, run_forward, run_step};
 
 use crate::checkpoint::{self, TrainState};
 use crate::data::{Sampler, SplitMix64};
 use crate::logging::{MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
-use crate::optim::{GptOptimizer, WarmupCosine, clip_to_norm, grad_sum_of_squares_except};
+use crate::optim::{GptOptimizer, WarmupCosine};
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
@@ -70,14 +76,18 @@ pub struct LoopSettings {
     /// Training FLOPs per token (see `GptConfig::flops_per_token`).
     pub flops_per_token: f64,
     pub peak_flops: Option<f64>,
+    /// Data-parallel ranks: the global batch is this many times a rank's.
+    pub dp: usize,
 }
 
-/// A rank's place in the run: the world (the pipeline group: group rank = pipeline rank), the
-/// checked pipeline, and the pair of ranks that hold the tied embedding's two copies when those
-/// differ.
+/// A rank's place in the run: every rank, its pipeline (group rank = pipeline rank), its
+/// data-parallel group, the checked pipeline, and the pair of pipeline ranks that hold the tied
+/// embedding's two copies when those differ.
 #[derive(Debug)]
 pub struct RankContext {
     pub world: ProcessGroup,
+    pub pipe: ProcessGroup,
+    pub data: ProcessGroup,
     pub plan: PipelinePlan,
     pub tie_group: Option<ProcessGroup>,
 }
@@ -86,7 +96,10 @@ pub struct RankContext {
 /// handles it checkpoints (optimizer, sampler) and the metric files.
 pub struct StepLoop<B: AutodiffBackend> {
     pub settings: LoopSettings,
-    pub optimizer: GptOptimizer<GptChunks<B>, B>,
+    /// The chunks this rank trains (under ZeRO 3, skeletons whose parameters the sharded
+    /// optimizer holds). burn-train's `Learner` only keeps the schedule here.
+    pub model: Mutex<GptChunks<B>>,
+    pub optimizers: Optimizers<B>,
     pub sampler: Arc<Mutex<Sampler>>,
     /// Metric files, on rank 0 only.
     pub sink: Option<Mutex<MetricsSink>>,
@@ -115,6 +128,10 @@ impl<B: AutodiffBackend> std::fmt::Debug for StepLoop<B> {
 }
 
 impl<B: AutodiffBackend> StepLoop<B> {
+    fn current_model(&self) -> GptChunks<B> {
+        self.model.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// One optimizer step (all its micro-batches); returns the numbers it logs.
     fn step(
         &self,
@@ -123,48 +140,39 @@ impl<B: AutodiffBackend> StepLoop<B> {
         step: u64,
     ) -> anyhow::Result<(StepOutput, Option<PipelineRecord>)> {
         let started = Instant::now();
-        let model = learner.model();
+        let model = self.current_model();
         let device = model.devices()[0].clone();
         B::seed(&device, step_seed(self.settings.seed, step));
         let mut micro: Vec<TokenBatch<B>> = batches.take(self.settings.grad_accum).collect();
-        let tokens: usize = micro.iter().map(TokenBatch::tokens).sum();
+        let tokens = self.settings.dp * micro.iter().map(TokenBatch::tokens).sum::<usize>();
         for batch in &mut micro {
             batch.loss_scale = 1.0 / tokens as f64;
         }
         learner.lr_step();
+        let (grads, stats, unit_comm) = self.forward_backward(&model, &micro, &device)?;
         let rank = &self.rank;
-        let result = run_step(
-            &rank.plan.schedule,
-            rank.world.rank(),
-            &rank.world,
-            &model.chunks,
-            &micro,
-            &device,
+        let groups = UpdateGroups {
+            world: &rank.world,
+            pipe: &rank.pipe,
+            data: &rank.data,
+        };
+        let (model, update) = self.optimizers.update(
+            &groups,
+            model,
+            grads,
+            learner.lr_current(),
+            self.settings.grad_clip,
         )?;
-        let mut accumulator = GradientsAccumulator::new();
-        for grads in result.grads {
-            accumulator.accumulate(&model, grads);
-        }
-        let mut grads = accumulator.grads();
-        self.sum_tied_embedding(&model, &mut grads)?;
-        let (_, tied_copy) = model.tied_embedding_ids();
-        let squares = grad_sum_of_squares_except(&model, &grads, tied_copy.as_slice());
-        let squares = self.world_sum(squares)?;
-        let grad_norm = clip_to_norm(&model, &mut grads, self.settings.grad_clip, squares);
-        {
-            // The step makes new parameters that require grad (see `graphs_lock`).
-            let _lock = graphs_lock();
-            learner.optimizer_step(grads);
-        }
-        let loss_sum = self.world_sum(result.stats.loss)?;
-        let pipeline = self.pipeline_record(&result.stats)?;
+        *self.model.lock().unwrap_or_else(|p| p.into_inner()) = model;
+        let loss_sum = self.world_sum(stats.loss)?;
+        let pipeline = self.pipeline_record(&stats)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
         let output = StepOutput {
             loss_sum,
             tokens,
             step_loss: Some(loss_sum / tokens as f64),
-            grad_norm: Some(grad_norm),
+            grad_norm: Some(update.grad_norm),
             tokens_per_sec: Some(tokens_per_sec),
             mfu: self
                 .settings
@@ -173,8 +181,54 @@ impl<B: AutodiffBackend> StepLoop<B> {
             bubble: pipeline
                 .as_ref()
                 .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
+            comm_ms: Some(1e3 * (update.reduce.comm + unit_comm).as_secs_f64()),
         };
         Ok((output, pipeline))
+    }
+
+    /// This rank's gradients of the step, summed over its micro-batches: through the pipeline
+    /// schedule (one stage on one rank without a pipeline), or, under ZeRO 3, through the
+    /// sharded units (gradients already reduced to this rank's parts).
+    fn forward_backward(
+        &self,
+        model: &GptChunks<B>,
+        micro: &[TokenBatch<B>],
+        device: &B::Device,
+    ) -> anyhow::Result<(GradientsParams, StepStats, Duration)> {
+        if let Some(zero) = self.optimizers.sharded()
+            && zero.stage() == ZeroStage::Three
+        {
+            let started = Instant::now();
+            let tied = match model.tied_embedding_ids() {
+                (Some(embedding), Some(copy)) => Some((embedding, copy)),
+                _ => None,
+            };
+            let step = run_sharded_step(&zero, &model.chunks, micro, tied)?;
+            let grads = step.grads;
+            let stats = StepStats {
+                loss: step.loss,
+                busy: started.elapsed().saturating_sub(step.comm),
+                wall: started.elapsed(),
+                peak_activations: micro.len(),
+            };
+            return Ok((grads, stats, step.comm));
+        }
+        let rank = &self.rank;
+        let result = run_step(
+            &rank.plan.schedule,
+            rank.pipe.rank(),
+            &rank.pipe,
+            &model.chunks,
+            micro,
+            device,
+        )?;
+        let mut accumulator = GradientsAccumulator::new();
+        for grads in result.grads {
+            accumulator.accumulate(model, grads);
+        }
+        let mut grads = accumulator.grads();
+        self.sum_tied_embedding(model, &mut grads)?;
+        Ok((grads, result.stats, Duration::ZERO))
     }
 
     /// Gives both copies of a tied embedding (first stage's `wte`, last stage's head copy) the
@@ -210,17 +264,13 @@ impl<B: AutodiffBackend> StepLoop<B> {
 
     /// `value` summed over every rank (itself on one rank).
     fn world_sum(&self, value: f64) -> anyhow::Result<f64> {
-        let world = &self.rank.world;
-        if world.size() == 1 {
-            return Ok(value);
-        }
-        let summed = world.all_reduce_host(HostTensor::new(vec![value], vec![1]), ReduceOp::Sum)?;
-        Ok(summed.data[0])
+        update::group_sum(&self.rank.world, value)
     }
 
-    /// Every rank's bubble and peak activations, next to the schedule's theory (pipelines only).
+    /// Every pipeline rank's bubble and peak activations, next to the schedule's theory
+    /// (pipelines only).
     fn pipeline_record(&self, stats: &StepStats) -> anyhow::Result<Option<PipelineRecord>> {
-        let world = &self.rank.world;
+        let world = &self.rank.pipe;
         if world.size() == 1 && self.rank.plan.schedule.virtual_stages == 1 {
             return Ok(None);
         }
@@ -243,26 +293,37 @@ impl<B: AutodiffBackend> StepLoop<B> {
     }
 
     /// Mean validation loss per token over the evaluation batches (forward through the
-    /// pipeline).
+    /// pipeline, or the sharded units under ZeRO 3). Every data-parallel replica evaluates the
+    /// same batches.
     fn evaluate(
         &self,
         model: &GptChunks<B>,
         valid: &ValidLoader<GptComponents<B>>,
     ) -> anyhow::Result<StepOutput> {
-        let model = burn::module::AutodiffModule::valid(model);
         let batches: Vec<_> = valid.iter().collect();
         let tokens: usize = batches.iter().map(TokenBatch::tokens).sum();
-        let device = model.devices()[0].clone();
         let rank = &self.rank;
-        let loss_sum = run_forward(
-            rank.plan.schedule.stages,
-            rank.world.rank(),
-            &rank.world,
-            &model.chunks,
-            &batches,
-            &device,
-        )?;
-        let loss_sum = self.world_sum(loss_sum)?;
+        let sharded = self.optimizers.sharded();
+        let loss_sum = match sharded.as_deref() {
+            Some(zero) if zero.stage() == ZeroStage::Three => {
+                let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
+                run_sharded_forward(zero, &model.chunks, &batches)?
+            }
+            _ => {
+                let model = burn::module::AutodiffModule::valid(model);
+                let device = model.devices()[0].clone();
+                run_forward(
+                    rank.plan.schedule.stages,
+                    rank.pipe.rank(),
+                    &rank.pipe,
+                    &model.chunks,
+                    &batches,
+                    &device,
+                )?
+            }
+        };
+        drop(sharded);
+        let loss_sum = update::group_sum(&rank.pipe, loss_sum)?;
         Ok(StepOutput {
             loss_sum,
             tokens,
@@ -271,7 +332,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
         })
     }
 
-    fn checkpoint(&self, learner: &Learner<GptComponents<B>>, step: u64) -> anyhow::Result<()> {
+    fn checkpoint(&self, step: u64) -> anyhow::Result<()> {
         let cursor = self
             .sampler
             .lock()
@@ -285,10 +346,11 @@ impl<B: AutodiffBackend> StepLoop<B> {
         };
         checkpoint::save(
             &self.checkpoint_root,
-            &learner.model(),
-            &self.optimizer,
+            &self.current_model(),
+            &self.optimizers,
             state,
             &self.rank.world,
+            self.rank.data.rank(),
         )?;
         // Pruning is rank 0's alone; failing it must not stop rank 0 while the others go on.
         if self.settings.keep_last > 0 && self.rank.world.rank() == 0 {
@@ -374,6 +436,7 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
                 mfu: output.mfu,
                 step_time_ms: 1e3 * output.tokens as f64
                     / output.tokens_per_sec.unwrap_or(f64::NAN),
+                comm_ms: output.comm_ms.unwrap_or_default(),
                 pipeline,
             };
             self.losses
@@ -401,7 +464,7 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
                 }
             };
             if settings.eval_every > 0 && (done % settings.eval_every == 0 || last) {
-                let eval = match self.evaluate(&learner.model(), &valid) {
+                let eval = match self.evaluate(&self.current_model(), &valid) {
                     Ok(eval) => eval,
                     Err(error) => {
                         self.record_error(error.context(format!("evaluation after step {step}")));
@@ -418,13 +481,22 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
                 )));
             }
             let periodic = settings.checkpoint_every > 0 && done % settings.checkpoint_every == 0;
-            if (periodic || last || stop) && !self.log(self.checkpoint(&learner, done)) {
+            if (periodic || last || stop) && !self.log(self.checkpoint(done)) {
                 break;
             }
             if stop {
                 break;
             }
         }
-        (learner.model(), events)
+        (self.current_model(), events)
+    }
+}
+
+/// An evaluation batch (inner backend) on the autodiff backend, untracked.
+fn tracked<B: AutodiffBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
+    TokenBatch {
+        inputs: Tensor::from_inner(batch.inputs),
+        targets: Tensor::from_inner(batch.targets),
+        loss_scale: batch.loss_scale,
     }
 }

@@ -12,11 +12,17 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::LearningRateMetric;
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
-use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup};
+use burn::module::Module;
+use wildfire_backend::comm::{CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup};
+use wildfire_parallel::dp::{self, FlatLayout};
+use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
 use wildfire_parallel::pp::graphs_lock;
 
-use super::{EvalLoader, GptComponents, LoopSettings, RankContext, StepLoop, TrainLoader};
+use super::{
+    EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
+    check_same_init, inner_device, zero_layout,
+};
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::{RunConfig, Transport, check_same_model};
 use crate::data::{Sampler, Splits, Tokenizer, TokenizerKind, load_text};
@@ -153,7 +159,8 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
                     launched.world_size
                 );
             }
-            let worlds = ProcessGroup::local_world(config.parallel.pp, options)?;
+            let ranks = config.parallel.dp * config.parallel.pp;
+            let worlds = ProcessGroup::local_world(ranks, options)?;
             let ranks = worlds
                 .into_iter()
                 .map(|world| {
@@ -198,11 +205,23 @@ fn run_rank<B: AutodiffBackend>(
 ) -> anyhow::Result<TrainOutcome> {
     let (rank, parallel) = (world.rank(), &config.parallel);
     let dims = ParallelDims {
-        dp: 1,
+        dp: parallel.dp,
         tp: 1,
         pp: parallel.pp,
     };
     dims.validate(world.size())?;
+    let stage = parallel.zero_stage()?;
+    dims.check_zero(stage)?;
+    let bucket_bytes = parallel.bucket_bytes()?;
+    let global_batch = dims.global_batch(
+        config.train.global_batch,
+        config.train.micro_batch,
+        config.train.grad_accum,
+    )?;
+    let (data_rank, pipe_rank, _) = dims.coordinates(rank);
+    // Every rank creates its pipeline group, then its data-parallel group.
+    let pipe = world.subgroup(&dims.pipeline_ranks(rank))?;
+    let data = world.subgroup(&dims.data_ranks(rank))?;
     let run_dir = config.run.dir.clone();
     let resumed = check_run_dir(&run_dir, resume)?
         .map(|dir| checkpoint::load(&dir))
@@ -212,6 +231,13 @@ fn run_rank<B: AutodiffBackend>(
         model: model_config,
         splits,
     } = prepare_data(&config, resumed.as_ref())?;
+    if stage == ZeroStage::Three && model_config.dropout > 0.0 {
+        bail!(
+            "ZeRO stage 3 recomputes each block's forward in its backward, which draws new \
+             dropout masks: it needs model.dropout = 0, not {}",
+            model_config.dropout
+        );
+    }
     let (n_train, n_val) = (splits.train.len(), splits.val.len());
     let plan = dims.pipeline(
         parallel.schedule_kind()?,
@@ -235,30 +261,70 @@ fn run_rank<B: AutodiffBackend>(
             (None, Some(source)) => crate::hf::init_from(whole, source)?,
             _ => whole,
         };
-        GptChunks::for_rank(whole, &plan.stages, dims.pp, rank)
+        match stage {
+            // ZeRO 3 runs one block per unit (see `run_sharded_step`).
+            ZeroStage::Three => {
+                let blocks: Vec<_> = (0..model_config.n_layer).map(|b| b..b + 1).collect();
+                GptChunks::for_rank(whole, &blocks, 1, 0)
+            }
+            _ => GptChunks::for_rank(whole, &plan.stages, dims.pp, pipe_rank),
+        }
     };
     // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
     world.barrier()?;
-    let optimizer =
-        SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
+    check_same_init(&model, &data)?;
+    let adamw = MatrixDecayAdamW::new(&config.train);
     let mut schedule = WarmupCosine::new(&config.train);
-    let global_batch = config.train.micro_batch * config.train.grad_accum;
     let mut sampler = Sampler::new(
         n_train,
         model_config.context,
         global_batch,
         config.train.seed,
-        (0, 1),
+        (data_rank, dims.dp),
     )?;
     let mut start_step = 0;
     if let Some(loaded) = &resumed {
         let _lock = graphs_lock();
         model = loaded.apply_params_to_chunks(model)?;
-        loaded.apply_moments(&model, &optimizer)?;
         schedule.next_step = loaded.state.schedule_step;
         sampler.seek(loaded.state.cursor);
         start_step = loaded.state.step;
     }
+    let optimizers = match stage {
+        ZeroStage::Zero0 => {
+            let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
+            if let Some(loaded) = &resumed {
+                loaded.apply_moments(&model, &optimizer)?;
+            }
+            Optimizers::Replicated {
+                optimizer,
+                layout: FlatLayout::of_module(&model, bucket_bytes),
+            }
+        }
+        _ => {
+            let mut zero = ZeroOptimizer::new(
+                stage,
+                data.clone(),
+                zero_layout(&model, stage, bucket_bytes),
+                adamw.halves(),
+                parallel.offload_optimizer,
+                inner_device(&model),
+            );
+            zero.set_params(&dp::flat_params(&model));
+            if let Some(loaded) = &resumed {
+                zero.set_moments(&loaded.moments_by_id(&model)?)?;
+            }
+            if stage == ZeroStage::Three {
+                // The optimizer holds the parameters now; the chunks keep placeholders.
+                let _lock = graphs_lock();
+                model = model.map(&mut Placeholders {
+                    device: device.clone(),
+                });
+            }
+            Optimizers::Sharded(Mutex::new(zero))
+        }
+    };
+    report_state_bytes(&world, &optimizers, stage, parallel.offload_optimizer)?;
 
     let sink = if rank == 0 {
         let resolved = ResolvedConfig {
@@ -276,8 +342,8 @@ fn run_rank<B: AutodiffBackend>(
     };
     let last_rank = dims.pp - 1;
     let tie_group =
-        (model_config.tie_embeddings && dims.pp > 1 && (rank == 0 || rank == last_rank))
-            .then(|| world.subgroup(&[0, last_rank]))
+        (model_config.tie_embeddings && dims.pp > 1 && (pipe_rank == 0 || pipe_rank == last_rank))
+            .then(|| pipe.subgroup(&[0, last_rank]))
             .transpose()?;
     let sampler = Arc::new(Mutex::new(sampler));
     let strategy = Arc::new(StepLoop {
@@ -292,8 +358,10 @@ fn run_rank<B: AutodiffBackend>(
             seed: config.train.seed,
             flops_per_token: model_config.flops_per_token(model_config.context),
             peak_flops: config.run.peak_flops,
+            dp: dims.dp,
         },
-        optimizer: optimizer.clone(),
+        model: Mutex::new(model.clone()),
+        optimizers,
         sampler: sampler.clone(),
         sink,
         state: TrainState {
@@ -306,10 +374,13 @@ fn run_rank<B: AutodiffBackend>(
             rng_seed: config.train.seed,
             schedule_step: start_step,
             optimizer_steps: Default::default(),
+            flat_shapes: Default::default(),
         },
         checkpoint_root: run_dir.join("checkpoints"),
         rank: RankContext {
             world: world.clone(),
+            pipe,
+            data,
             plan: plan.clone(),
             tie_group,
         },
@@ -378,8 +449,30 @@ fn run_rank<B: AutodiffBackend>(
         if pipelined {
             println!("{}", describe_pipeline(&plan));
         }
+        if dims.dp > 1 || stage != ZeroStage::Zero0 {
+            println!(
+                "data parallel: {} ranks, {stage}{}, global batch {global_batch} sequences \
+                 ({} per rank per step), gradient buckets of {:.1} MiB",
+                dims.dp,
+                if parallel.offload_optimizer {
+                    " with optimizer offload"
+                } else {
+                    ""
+                },
+                global_batch / dims.dp,
+                parallel.bucket_mb,
+            );
+        }
     }
-    training.launch(Learner::new(model, optimizer, schedule));
+    // The loop holds the model (see `StepLoop::model`); the learner keeps a placeholder copy,
+    // its optimizer is never stepped.
+    let placeholder = {
+        let _lock = graphs_lock();
+        model.map(&mut Placeholders { device })
+    };
+    let idle_optimizer =
+        SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
+    training.launch(Learner::new(placeholder, idle_optimizer, schedule));
 
     if let Some(error) = strategy
         .error
@@ -395,6 +488,41 @@ fn run_rank<B: AutodiffBackend>(
         steps: start_step + losses.len() as u64,
         losses,
     })
+}
+
+/// Prints (rank 0) the bytes every rank holds for its model state.
+fn report_state_bytes<B: AutodiffBackend>(
+    world: &ProcessGroup,
+    optimizers: &Optimizers<B>,
+    stage: ZeroStage,
+    offload: bool,
+) -> anyhow::Result<()> {
+    let bytes = optimizers.state_bytes();
+    let mine = HostTensor::new(
+        vec![
+            bytes.params as f64,
+            bytes.grads as f64,
+            bytes.optimizer_device as f64,
+            bytes.optimizer_host as f64,
+        ],
+        vec![1, 4],
+    );
+    let all = world.all_gather_host(mine, 0)?;
+    if world.rank() == 0 {
+        let mib = |b: f64| b / f64::from(1 << 20);
+        for (rank, row) in all.data.chunks(4).enumerate() {
+            println!(
+                "model state, rank {rank} ({stage}{}): parameters {:.2} MiB, gradients {:.2} MiB, \
+                 optimizer {:.2} MiB on the device + {:.2} MiB in host memory",
+                if offload { ", offload" } else { "" },
+                mib(row[0]),
+                mib(row[1]),
+                mib(row[2]),
+                mib(row[3]),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One line on the pipeline: its shape, schedule, stages and theoretical bubble.

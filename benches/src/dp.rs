@@ -1,0 +1,221 @@
+//! `dp`: data-parallel training throughput of the recipe's tiny GPT (batch 16 per rank, context
+//! 128) at dp = 1 and dp = 2, with ranks as threads of one process and as processes (tcp), from
+//! the run's own metrics: median tokens/s over the steps after 3 warm-up steps, scaling
+//! efficiency against one rank on one core, and the share of step time spent in the gradient
+//! all-reduce. Every configuration runs in its own process (the thread pool is sized once per
+//! process).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use burn::backend::{Autodiff, Flex};
+use clap::Args;
+use serde::Serialize;
+use serde_json::Value;
+use wildfire_backend::launch::{LaunchConfig, launch};
+use wildfire_recipes::config::RunConfig;
+
+const WARMUP: usize = 3;
+
+#[derive(Debug, Args)]
+pub struct DpArgs {
+    /// Print one JSON object per line instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Training steps per configuration (the first 3 are warm-up).
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(5..))]
+    steps: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    dp: usize,
+    #[arg(long)]
+    threads: usize,
+    #[arg(long)]
+    transport: String,
+    #[arg(long)]
+    steps: u64,
+    #[arg(long)]
+    dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    name: &'static str,
+    dp: usize,
+    /// Compute threads per process.
+    threads: usize,
+    processes: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    layout: &'static str,
+    dp: usize,
+    threads_per_process: usize,
+    processes: bool,
+    tokens_per_sec: f64,
+    step_ms: f64,
+    comm_share: f64,
+    /// tokens/s ÷ (dp × tokens/s of one rank on one core).
+    efficiency: f64,
+}
+
+const LAYOUTS: [Layout; 4] = [
+    Layout {
+        name: "dp 1, 1 core",
+        dp: 1,
+        threads: 1,
+        processes: false,
+    },
+    Layout {
+        name: "dp 1, 2 cores",
+        dp: 1,
+        threads: 2,
+        processes: false,
+    },
+    Layout {
+        name: "dp 2, threads",
+        dp: 2,
+        threads: 2,
+        processes: false,
+    },
+    Layout {
+        name: "dp 2, processes",
+        dp: 2,
+        threads: 1,
+        processes: true,
+    },
+];
+
+pub fn run(args: DpArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating this benchmark binary")?;
+    let mut rows = Vec::new();
+    let mut one_core = None;
+    for layout in LAYOUTS {
+        let dir = std::env::temp_dir().join(format!(
+            "wildfire-dp-bench-{}-{}",
+            std::process::id(),
+            layout.name.replace([' ', ','], "")
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let worker = |transport: &str| {
+            [
+                exe.display().to_string(),
+                "dp-worker".into(),
+                "--dp".into(),
+                layout.dp.to_string(),
+                "--threads".into(),
+                layout.threads.to_string(),
+                "--transport".into(),
+                transport.into(),
+                "--steps".into(),
+                args.steps.to_string(),
+                "--dir".into(),
+                dir.display().to_string(),
+            ]
+        };
+        if layout.processes {
+            let port = std::net::TcpListener::bind(("127.0.0.1", 0))?
+                .local_addr()?
+                .port();
+            launch(&LaunchConfig {
+                nproc_per_node: layout.dp,
+                master_port: port,
+                command: worker("launch").into(),
+                ..Default::default()
+            })?;
+        } else {
+            let command = worker("local");
+            let status = Command::new(&command[0]).args(&command[1..]).status()?;
+            if !status.success() {
+                bail!("{}: the worker failed ({status})", layout.name);
+            }
+        }
+        let (tokens_per_sec, step_ms, comm_share) = measured(&dir)?;
+        let baseline = *one_core.get_or_insert(tokens_per_sec);
+        rows.push(Row {
+            layout: layout.name,
+            dp: layout.dp,
+            threads_per_process: layout.threads,
+            processes: layout.processes,
+            tokens_per_sec,
+            step_ms,
+            comm_share,
+            efficiency: tokens_per_sec / (layout.dp as f64 * baseline),
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    if args.json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "| layout | tokens/s | step | all-reduce share | efficiency vs dp 1 on 1 core |\n|---|---|---|---|---|"
+    );
+    for row in &rows {
+        println!(
+            "| {} | {:.0} | {:.0} ms | {:.1}% | {:.2} |",
+            row.layout,
+            row.tokens_per_sec,
+            row.step_ms,
+            100.0 * row.comm_share,
+            row.efficiency
+        );
+    }
+    Ok(())
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Median tokens/s and step time after warm-up, and Σ comm / Σ step time, from metrics.jsonl.
+fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
+    let path = dir.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let steps: Vec<Value> = text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|v| v["kind"] == "train")
+        .skip(WARMUP)
+        .collect();
+    let field = |key: &str| -> Vec<f64> { steps.iter().filter_map(|v| v[key].as_f64()).collect() };
+    let (mut tokens, mut times, comm) = (
+        field("tokens_per_sec"),
+        field("step_time_ms"),
+        field("comm_ms"),
+    );
+    if tokens.is_empty() {
+        bail!("{} has no measured steps", path.display());
+    }
+    let share = comm.iter().sum::<f64>() / times.iter().sum::<f64>();
+    Ok((median(&mut tokens), median(&mut times), share))
+}
+
+/// One training process: the tiny recipe for `steps` steps at `dp` (all its ranks as threads,
+/// or this process's rank of a launched job), on `threads` compute threads.
+pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build_global()?;
+    let overrides = [
+        format!("run.dir={:?}", args.dir.display().to_string()),
+        format!("train.max_steps={}", args.steps),
+        "train.eval_every=0".into(),
+        "checkpoint.every=0".into(),
+        "run.log_every=1000000".into(),
+        format!("parallel.dp={}", args.dp),
+        format!("parallel.transport={:?}", args.transport),
+    ];
+    let config = RunConfig::load(None, &overrides)?;
+    wildfire_recipes::train::run::<Autodiff<Flex>>(config, false)?;
+    Ok(())
+}

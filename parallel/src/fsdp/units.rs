@@ -1,0 +1,311 @@
+//! ZeRO stage 3 (FSDP): a step over a model cut into units (e.g. one transformer block each),
+//! whose parameters exist whole only while one unit computes.
+//!
+//! With units `u_0 … u_{K−1}` (the last computes the loss) and micro-batches `1 … m`:
+//!
+//! ```text
+//! forward   for k < K−1:  θ_k ← all-gather(owned parts)
+//!                         for each micro-batch: x_{k+1} = u_k(θ_k, x_k)    (no autodiff graph)
+//!                         free θ_k                       (each unit's inputs x_k are kept)
+//! backward  for k = K−1 … 0:
+//!           θ_k ← all-gather again
+//!           for each micro-batch: recompute y = u_k(θ_k, x_k) with a graph; backpropagate ℓ
+//!               (k = K−1) or ⟨y, g_{k+1}⟩ (the gradient from unit k+1, see `crate::pp::executor`
+//!               for why that is exact); keep g_k = ∂/∂x_k; add ∂/∂θ_k to the unit's local sum
+//!           reduce-scatter the local sum into the owned gradient parts; free θ_k
+//! ```
+//!
+//! So each unit's parameters are gathered twice per step and its gradients reduce-scattered
+//! once; at most one unit is whole at a time, and the activations kept between forward and
+//! backward are the units' inputs (the recomputation is the price, as with full activation
+//! checkpointing). Summing the micro-batches locally before reducing is DDP's order, so a stage-3
+//! step equals a DDP step bitwise. Recomputation repeats the forward bitwise, so dropout masks must
+//! not change between the two (the recipe reseeds its RNG per step and uses dropout 0 by
+//! default; see the guide).
+//!
+//! A unit's module is a skeleton: its parameters are placeholders ([`Placeholders`]) that
+//! [`Materialize`] replaces by the gathered values, keeping each parameter's id, so the unit's
+//! gradients are found by id in the layout.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Shape, Tensor};
+
+use super::{ZeroError, ZeroOptimizer, ZeroStage};
+use crate::dp::{self, FlatTensors};
+use crate::pp::{PipelineChunk, graphs_lock};
+
+/// Replaces every float parameter by a one-element placeholder (same id, same rank): what a
+/// stage-3 rank keeps of a unit between uses.
+#[derive(Debug)]
+pub struct Placeholders<D> {
+    pub device: D,
+}
+
+impl<B: Backend> ModuleMapper<B> for Placeholders<B::Device> {
+    fn map_float<const N: usize>(&mut self, param: Param<Tensor<B, N>>) -> Param<Tensor<B, N>> {
+        let (id, tensor, mapper) = param.consume();
+        let placeholder = Tensor::zeros(Shape::new([1; N]), &self.device);
+        let placeholder = if tensor.is_require_grad() {
+            placeholder.require_grad()
+        } else {
+            placeholder
+        };
+        Param::from_mapped_value(id, placeholder, mapper)
+    }
+}
+
+/// Puts gathered values (flat, by id) into a skeleton's parameters, in their layout shapes; as
+/// graph leaves when `leaves`.
+struct Materialize<'a, B: Backend> {
+    values: &'a FlatTensors<B>,
+    shapes: &'a HashMap<burn::module::ParamId, Vec<usize>>,
+    leaves: bool,
+}
+
+impl<A: AutodiffBackend> ModuleMapper<A> for Materialize<'_, A::InnerBackend> {
+    fn map_float<const N: usize>(&mut self, param: Param<Tensor<A, N>>) -> Param<Tensor<A, N>> {
+        let (id, tensor, mapper) = param.consume();
+        let (Some(value), Some(shape)) = (self.values.get(&id), self.shapes.get(&id)) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let value = Tensor::<A, N>::from_inner(value.clone().reshape(Shape::from(shape.clone())));
+        let value = if self.leaves {
+            value.require_grad()
+        } else {
+            value
+        };
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// What a stage-3 step produced.
+#[derive(Debug)]
+pub struct ShardedStep {
+    /// Sum of the micro-batches' reported losses.
+    pub loss: f64,
+    /// The owned gradient part of every bucket, under the bucket's id (what
+    /// [`ZeroOptimizer::step`] takes).
+    pub grads: GradientsParams,
+    /// Time in all-gathers and reduce-scatters.
+    pub comm: Duration,
+    /// Most parameter elements whole at once.
+    pub peak_gathered: usize,
+}
+
+impl<B: Backend> ZeroOptimizer<B> {
+    fn shapes(&self) -> HashMap<burn::module::ParamId, Vec<usize>> {
+        self.layout()
+            .buckets
+            .iter()
+            .flat_map(|b| &b.slots)
+            .map(|s| (s.param.id, s.param.shape.clone()))
+            .collect()
+    }
+
+    /// Unit `unit`'s parameters, gathered, counting the time and the elements.
+    fn gather_values(
+        &self,
+        unit: usize,
+        comm: &mut Duration,
+        peak: &mut usize,
+    ) -> Result<FlatTensors<B>, ZeroError> {
+        let started = Instant::now();
+        let values = self.gather_unit(unit)?;
+        *comm += started.elapsed();
+        let elements: usize = values.values().map(|t| t.shape().num_elements()).sum();
+        *peak = (*peak).max(elements);
+        Ok(values)
+    }
+}
+
+/// One stage-3 training step of one rank over `batches` (see the module doc). `units` are the
+/// skeletons, in order; the layout's buckets carry each parameter's unit. `tied` names a
+/// parameter's two copies `(a, b)` held by different units (a tied embedding and the head's
+/// copy), each alone in its bucket: `a`'s gradient becomes `Σ g_a + Σ g_b` before it is
+/// reduced, and `b` gets the same owned part.
+pub fn run_sharded_step<A, C>(
+    zero: &ZeroOptimizer<A::InnerBackend>,
+    units: &[C],
+    batches: &[C::Batch],
+    tied: Option<(ParamId, ParamId)>,
+) -> Result<ShardedStep, ZeroError>
+where
+    A: AutodiffBackend,
+    C: PipelineChunk<A> + AutodiffModule<A>,
+{
+    if zero.stage() != ZeroStage::Three {
+        return Err(ZeroError::State(format!(
+            "run_sharded_step needs ZeRO stage 3, not {}",
+            zero.stage()
+        )));
+    }
+    let shapes = zero.shapes();
+    let last = units.len() - 1;
+    let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
+    // inputs[k][mb]: unit k's input for micro-batch mb (none for the first unit).
+    let mut inputs: Vec<Vec<Option<Tensor<A::InnerBackend, 3>>>> = vec![vec![None; batches.len()]];
+    for unit in 0..last {
+        let values = zero.gather_values(unit, &mut comm, &mut peak)?;
+        let module = units[unit].clone().map(&mut Materialize {
+            values: &values,
+            shapes: &shapes,
+            leaves: false,
+        });
+        let _lock = graphs_lock();
+        let outputs = batches
+            .iter()
+            .zip(&inputs[unit])
+            .map(|(batch, x)| {
+                Some(
+                    module
+                        .forward(x.clone().map(Tensor::from_inner), batch)
+                        .inner(),
+                )
+            })
+            .collect();
+        inputs.push(outputs);
+    }
+    let mut output_grads: Vec<Option<Tensor<A::InnerBackend, 3>>> = vec![None; batches.len()];
+    let mut owned = HashMap::new();
+    let mut tied_grad = None;
+    for unit in (0..=last).rev() {
+        let values = zero.gather_values(unit, &mut comm, &mut peak)?;
+        let mut local: FlatTensors<A::InnerBackend> = HashMap::new();
+        for (mb, batch) in batches.iter().enumerate() {
+            // Fresh leaves per micro-batch: Burn frees a graph's leaves with its backward.
+            let module = units[unit].clone().map(&mut Materialize {
+                values: &values,
+                shapes: &shapes,
+                leaves: true,
+            });
+            let _lock = graphs_lock();
+            let input = inputs[unit][mb]
+                .take()
+                .map(|x| Tensor::<A, 3>::from_inner(x).require_grad());
+            let output = module.forward(input.clone(), batch);
+            let scalar = match output_grads[mb].take() {
+                None => {
+                    let (scaled, value) = module.loss(output, batch);
+                    loss += value;
+                    scaled
+                }
+                Some(g) => (output * Tensor::from_inner(g)).sum(),
+            };
+            let grads = scalar.backward();
+            output_grads[mb] = input.and_then(|x| x.grad(&grads));
+            let mut params = GradientsParams::from_grads(grads, &module);
+            for (id, grad) in dp::take_grads(&module, &mut params) {
+                let sum = match local.remove(&id) {
+                    Some(previous) => previous + grad,
+                    None => grad,
+                };
+                local.insert(id, sum);
+            }
+        }
+        if let Some((a, b)) = tied {
+            if let Some(copy) = local.remove(&b) {
+                tied_grad = Some(copy);
+            }
+            if local.contains_key(&a)
+                && let (Some(grad), Some(copy)) = (local.remove(&a), tied_grad.take())
+            {
+                local.insert(a, grad + copy);
+            }
+        }
+        let started = Instant::now();
+        zero.reduce_unit(unit, &local, &mut owned)?;
+        comm += started.elapsed();
+    }
+    let mut grads = GradientsParams::new();
+    let layout = zero.layout();
+    for (index, bucket) in layout.buckets.iter().enumerate() {
+        if let Some(grad) = owned.remove(&index) {
+            grads.register(bucket.id, grad);
+        }
+    }
+    if let Some((a, b)) = tied {
+        let bucket_of = |id| {
+            layout
+                .buckets
+                .iter()
+                .find(|bucket| bucket.slots.len() == 1 && bucket.slots[0].param.id == id)
+                .map(|bucket| bucket.id)
+                .ok_or_else(|| {
+                    ZeroError::State("a tied parameter is not alone in its bucket".into())
+                })
+        };
+        let part = grads
+            .get::<A::InnerBackend, 1>(bucket_of(a)?)
+            .ok_or_else(|| ZeroError::State("the tied parameter has no gradient".into()))?;
+        grads.register(bucket_of(b)?, part);
+    }
+    Ok(ShardedStep {
+        loss,
+        grads,
+        comm,
+        peak_gathered: peak,
+    })
+}
+
+/// The summed loss of `batches` through the stage-3 units, forward only (evaluation).
+pub fn run_sharded_forward<A, C>(
+    zero: &ZeroOptimizer<A::InnerBackend>,
+    units: &[C],
+    batches: &[C::Batch],
+) -> Result<f64, ZeroError>
+where
+    A: AutodiffBackend,
+    C: PipelineChunk<A> + AutodiffModule<A>,
+{
+    let shapes = zero.shapes();
+    let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
+    for batch in batches {
+        let mut x: Option<Tensor<A::InnerBackend, 3>> = None;
+        for unit in 0..units.len() {
+            let values = zero.gather_values(unit, &mut comm, &mut peak)?;
+            let module = units[unit].clone().map(&mut Materialize {
+                values: &values,
+                shapes: &shapes,
+                leaves: false,
+            });
+            let _lock = graphs_lock();
+            let output = module.forward(x.take().map(Tensor::from_inner), batch);
+            if unit + 1 == units.len() {
+                loss += module.loss(output, batch).1;
+            } else {
+                x = Some(output.inner());
+            }
+        }
+    }
+    Ok(loss)
+}
+
+impl<B: Backend> ZeroOptimizer<B> {
+    /// Reduce-scatters the local gradients `flat` of `unit`'s buckets and adds them to the
+    /// owned parts accumulated in `owned` (by bucket index).
+    fn reduce_unit(
+        &self,
+        unit: usize,
+        flat: &FlatTensors<B>,
+        owned: &mut HashMap<usize, Tensor<B, 1>>,
+    ) -> Result<(), ZeroError> {
+        for (index, bucket) in self.layout().buckets.iter().enumerate() {
+            if bucket.unit != unit {
+                continue;
+            }
+            let local = dp::flatten(bucket, flat, &self.device);
+            let part = self.reduce_bucket(index, local)?;
+            let sum = match owned.remove(&index) {
+                Some(previous) => previous + part,
+                None => part,
+            };
+            owned.insert(index, sum);
+        }
+        Ok(())
+    }
+}

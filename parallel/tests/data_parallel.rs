@@ -1,0 +1,447 @@
+//! DDP and ZeRO stages 1–3 on a toy two-layer model with uneven shapes (7×15, 15×3, 3), ranks
+//! as threads: DDP equals serial training on the concatenated batch, every ZeRO stage equals
+//! DDP, every rank's shard is the matching slice of the full parameter and gradient, and the
+//! sharded gradient norm is the full one. Each collective fails after 30 s instead of hanging.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use wildfire_backend::comm::{CommOptions, HostTensor, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
+use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
+use wildfire_parallel::pp::PipelineChunk;
+
+type A = Autodiff<Flex>;
+
+const ROWS: usize = 8;
+const STEPS: usize = 10;
+const LR: f64 = 1e-2;
+
+/// `y = tanh(x W₁) W₂ + b` with `W₁: 7×15`, `W₂: 15×3`, `b: 3`.
+#[derive(Module, Debug)]
+struct Toy<B: Backend> {
+    w1: Param<Tensor<B, 2>>,
+    w2: Param<Tensor<B, 2>>,
+    b: Param<Tensor<B, 1>>,
+}
+
+/// One layer of the toy as an FSDP unit: the first reads the batch, the second scores it.
+#[derive(Module, Debug)]
+struct Unit<B: Backend> {
+    w: Param<Tensor<B, 2>>,
+    b: Option<Param<Tensor<B, 1>>>,
+}
+
+/// Inputs `[1, rows, 7]`, targets `[1, rows, 3]`, second inputs `[1, rows, 15]` (the linear
+/// loss), and `1 / rows of the global batch`.
+#[derive(Debug, Clone)]
+struct Batch<B: Backend> {
+    x: Tensor<B, 3>,
+    t: Tensor<B, 3>,
+    u: Tensor<B, 3>,
+    scale: f64,
+}
+
+fn values(seed: u64, n: usize, integer: bool) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state % 2001) as f32 / 1000.0 - 1.0;
+            if integer { (unit * 4.0).round() } else { unit }
+        })
+        .collect()
+}
+
+fn tensor<B: Backend, const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(data, shape), &Default::default())
+}
+
+fn toy(integer: bool) -> Toy<A> {
+    // Fixed ids, so runs compare parameter by parameter.
+    let param = |seed: u64, shape: [usize; 2]| {
+        let values = tensor(values(seed, shape[0] * shape[1], integer), shape);
+        Param::initialized(ParamId::from(seed), values.require_grad())
+    };
+    Toy {
+        w1: param(1, [7, 15]),
+        w2: param(2, [15, 3]),
+        b: Param::initialized(
+            ParamId::from(3),
+            tensor(values(3, 3, integer), [3]).require_grad(),
+        ),
+    }
+}
+
+/// Step `step`'s global batch, rows `rows` of it.
+fn batch(step: usize, rows: std::ops::Range<usize>, integer: bool) -> Batch<A> {
+    let x = values(100 + step as u64, ROWS * 7, integer);
+    let t = values(200 + step as u64, ROWS * 3, integer);
+    let u = values(300 + step as u64, ROWS * 15, integer);
+    let n = rows.len();
+    Batch {
+        x: tensor(x[rows.start * 7..rows.end * 7].to_vec(), [1, n, 7]),
+        t: tensor(t[rows.start * 3..rows.end * 3].to_vec(), [1, n, 3]),
+        u: tensor(u[rows.start * 15..rows.end * 15].to_vec(), [1, n, 15]),
+        scale: 1.0 / ROWS as f64,
+    }
+}
+
+/// The toy's loss: `scale · Σ (y − t)²`; or, linear, `scale · (Σ x W₁ + Σ (u W₂ + b))`, whose
+/// gradients are column sums of integer data, so every sum is exact (`scale` is 1/8).
+fn toy_loss(model: &Toy<A>, batch: &Batch<A>, linear: bool) -> Tensor<A, 1> {
+    let first = batch.x.clone().matmul(model.w1.val().unsqueeze());
+    let loss = if linear {
+        let second = batch.u.clone().matmul(model.w2.val().unsqueeze()) + model.b.val().unsqueeze();
+        first.sum() + second.sum()
+    } else {
+        let y = first.tanh().matmul(model.w2.val().unsqueeze()) + model.b.val().unsqueeze();
+        (y - batch.t.clone()).square().sum()
+    };
+    loss.mul_scalar(batch.scale)
+}
+
+impl<B: Backend> PipelineChunk<B> for Unit<B> {
+    type Batch = Batch<B>;
+
+    fn forward(&self, input: Option<Tensor<B, 3>>, batch: &Batch<B>) -> Tensor<B, 3> {
+        match (input, &self.b) {
+            (None, _) => batch.x.clone().matmul(self.w.val().unsqueeze()).tanh(),
+            (Some(x), Some(b)) => x.matmul(self.w.val().unsqueeze()) + b.val().unsqueeze(),
+            (Some(x), None) => x,
+        }
+    }
+
+    fn loss(&self, output: Tensor<B, 3>, batch: &Batch<B>) -> (Tensor<B, 1>, f64) {
+        let sum = (output - batch.t.clone()).square().sum();
+        let value = sum.clone().into_scalar().elem::<f64>();
+        (sum.mul_scalar(batch.scale), value)
+    }
+}
+
+fn adamw() -> (AdamW, AdamW) {
+    let config = AdamWConfig::new().with_beta_2(0.99);
+    (
+        config.clone().with_weight_decay(0.1).build(),
+        config.with_weight_decay(0.0).build(),
+    )
+}
+
+/// Burn's per-tensor AdamW with decay on matrices only (the recipe's DDP optimizer).
+/// Burn's AdamW for matrices and for vectors.
+type BurnAdamW = (
+    OptimizerAdaptor<AdamW, Toy<A>, A>,
+    OptimizerAdaptor<AdamW, Toy<A>, A>,
+);
+
+fn burn_step(model: Toy<A>, grads: GradientsParams, optimizers: &mut BurnAdamW) -> Toy<A> {
+    let mut grads = grads;
+    let mut vector = GradientsParams::new();
+    if let Some(grad) = grads.remove::<Flex, 1>(model.b.id) {
+        vector.register(model.b.id, grad);
+    }
+    let model = optimizers.0.step(LR, model, grads);
+    optimizers.1.step(LR, model, vector)
+}
+
+fn flat_values<M: AutodiffModule<A>>(module: &M) -> HashMap<ParamId, Vec<f32>> {
+    dp::flat_params(module)
+        .into_iter()
+        .map(|(id, t)| (id, t.into_data().to_vec().unwrap()))
+        .collect()
+}
+
+fn grads_of(model: &Toy<A>, batch: &Batch<A>, linear: bool) -> GradientsParams {
+    GradientsParams::from_grads(toy_loss(model, batch, linear).backward(), model)
+}
+
+/// Serial training on the whole batch: every parameter after each step.
+fn serial(linear: bool) -> Vec<HashMap<ParamId, Vec<f32>>> {
+    let (m, v) = adamw();
+    let mut optimizers = (OptimizerAdaptor::from(m), OptimizerAdaptor::from(v));
+    let mut model = toy(linear);
+    (0..STEPS)
+        .map(|step| {
+            let grads = grads_of(&model, &batch(step, 0..ROWS, linear), linear);
+            model = burn_step(model.clone(), grads, &mut optimizers);
+            flat_values(&model)
+        })
+        .collect()
+}
+
+fn threads<T: Send + 'static>(
+    ranks: usize,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let options = CommOptions {
+        timeout: Duration::from_secs(30),
+        debug: true,
+    };
+    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
+        .unwrap()
+        .into_iter()
+        .map(|group| {
+            let body = body.clone();
+            std::thread::spawn(move || body(group))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn rows_of(rank: usize, ranks: usize) -> std::ops::Range<usize> {
+    let per = ROWS / ranks;
+    rank * per..(rank + 1) * per
+}
+
+/// DDP with Burn's optimizer: each rank its rows, gradients summed in buckets.
+fn ddp(ranks: usize, linear: bool) -> Vec<Vec<HashMap<ParamId, Vec<f32>>>> {
+    threads(ranks, move |group| {
+        let (m, v) = adamw();
+        let mut optimizers = (OptimizerAdaptor::from(m), OptimizerAdaptor::from(v));
+        let mut model = toy(linear);
+        let layout = FlatLayout::of_module(&model, 64);
+        let rows = rows_of(group.rank(), ranks);
+        (0..STEPS)
+            .map(|step| {
+                let _lock = wildfire_parallel::pp::graphs_lock();
+                let grads = grads_of(&model, &batch(step, rows.clone(), linear), linear);
+                drop(_lock);
+                let (grads, stats) =
+                    dp::all_reduce_gradients(&group, &layout, &model, grads, &Default::default())
+                        .unwrap();
+                assert_eq!(stats.buckets, layout.buckets.len());
+                let _lock = wildfire_parallel::pp::graphs_lock();
+                model = burn_step(model.clone(), grads, &mut optimizers);
+                flat_values(&model)
+            })
+            .collect()
+    })
+}
+
+fn assert_close(a: &[f32], b: &[f32], tolerance: f32, what: &str) {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tolerance * scale,
+            "{what}[{i}]: {x} vs {y} (tolerance {tolerance} × {scale})"
+        );
+    }
+}
+
+#[test]
+fn ddp_equals_serial_training_on_the_concatenated_batch() {
+    for linear in [true, false] {
+        let reference = serial(linear);
+        for ranks in [2, 4] {
+            for (rank, steps) in ddp(ranks, linear).into_iter().enumerate() {
+                for (step, (params, expected)) in steps.iter().zip(&reference).enumerate() {
+                    for (id, values) in params {
+                        let what = format!("dp {ranks} rank {rank} step {step} {id}");
+                        if linear {
+                            // Integer data: every partial sum is exact, so bitwise.
+                            assert_eq!(values, &expected[id], "{what}");
+                        } else {
+                            // The batch's gradient is summed in another order.
+                            assert_close(values, &expected[id], 1e-6, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What one rank of a ZeRO run saw: the parameters after each step; at the last step, the
+/// owned part of each bucket's gradient with its range, and the squared norm of the gradient
+/// (owned parts summed over ranks).
+struct ZeroRun {
+    params: Vec<HashMap<ParamId, Vec<f32>>>,
+    owned_grads: Vec<(std::ops::Range<usize>, Vec<f32>)>,
+    norm_squared: f64,
+}
+
+/// One rank of ZeRO `stage` on the toy, its rows of every global batch.
+fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
+    let ranks = group.size();
+    let rows = rows_of(group.rank(), ranks);
+    let mut model = toy(false);
+    // Stage 3 runs the model as two units: W₁, then W₂ and b.
+    let units = [
+        Unit {
+            w: model.w1.clone(),
+            b: None,
+        },
+        Unit {
+            w: model.w2.clone(),
+            b: Some(model.b.clone()),
+        },
+    ];
+    let specs: Vec<ParamSpec> = [
+        (model.w1.id, vec![7, 15], 0),
+        (model.w2.id, vec![15, 3], 1),
+        (model.b.id, vec![3], 1),
+    ]
+    .into_iter()
+    .map(|(id, shape, unit)| ParamSpec {
+        id,
+        shape,
+        unit,
+        alone: false,
+    })
+    .collect();
+    let layout = FlatLayout::new(&specs, 64);
+    let mut zero = ZeroOptimizer::<Flex>::new(
+        stage,
+        group.clone(),
+        layout,
+        adamw(),
+        offload,
+        Default::default(),
+    );
+    zero.set_params(&dp::flat_params(&model));
+    let skeletons: Vec<Unit<A>> = units
+        .into_iter()
+        .map(|u| {
+            u.map(&mut Placeholders {
+                device: Default::default(),
+            })
+        })
+        .collect();
+    let mut run = ZeroRun {
+        params: Vec::new(),
+        owned_grads: Vec::new(),
+        norm_squared: 0.0,
+    };
+    for step in 0..STEPS {
+        let batch = batch(step, rows.clone(), false);
+        let mut grads = if stage == ZeroStage::Three {
+            let step =
+                run_sharded_step::<A, _>(&zero, &skeletons, std::slice::from_ref(&batch), None)
+                    .unwrap();
+            // One unit whole at a time: the larger is W₁'s 7 × 15.
+            assert_eq!(step.peak_gathered, 105);
+            step.grads
+        } else {
+            let _lock = wildfire_parallel::pp::graphs_lock();
+            let local = grads_of(&model, &batch, false);
+            drop(_lock);
+            zero.reduce(&model, local).unwrap().0
+        };
+        if step == STEPS - 1 {
+            run.owned_grads = owned_parts(&zero, &grads);
+            let squares = zero.shard_sum_of_squares(&grads, &[]);
+            run.norm_squared = match stage {
+                ZeroStage::Zero0 => squares,
+                _ => {
+                    group
+                        .all_reduce_host(HostTensor::new(vec![squares], vec![1]), ReduceOp::Sum)
+                        .unwrap()
+                        .data[0]
+                }
+            };
+        }
+        let updated = zero.step(LR, &dp::flat_params(&model), &mut grads).unwrap();
+        if stage == ZeroStage::Three {
+            let mut values = HashMap::new();
+            for unit in 0..2 {
+                values.extend(zero.gather_unit(unit).unwrap());
+            }
+            run.params.push(
+                values
+                    .into_iter()
+                    .map(|(id, t)| (id, t.into_data().to_vec().unwrap()))
+                    .collect(),
+            );
+        } else {
+            let _lock = wildfire_parallel::pp::graphs_lock();
+            model = model.map(&mut dp::SetParams(&updated));
+            run.params.push(flat_values(&model));
+        }
+    }
+    run
+}
+
+fn owned_parts(
+    zero: &ZeroOptimizer<Flex>,
+    grads: &GradientsParams,
+) -> Vec<(std::ops::Range<usize>, Vec<f32>)> {
+    let (rank, ranks) = (zero.group().rank(), zero.group().size());
+    zero.layout()
+        .buckets
+        .iter()
+        .map(|bucket| {
+            let range = match zero.stage() {
+                ZeroStage::Zero0 => 0..bucket.numel,
+                _ => split_ranges(bucket.numel, ranks)[rank].clone(),
+            };
+            let part = grads
+                .get::<Flex, 1>(bucket.id)
+                .unwrap()
+                .into_data()
+                .to_vec()
+                .unwrap();
+            (range, part)
+        })
+        .collect()
+}
+
+#[test]
+fn flat_adamw_replicated_equals_burns_per_tensor_ddp_bitwise() {
+    let flat = threads(2, |group| zero_run(group, ZeroStage::Zero0, false));
+    let burn = ddp(2, false);
+    for (rank, (flat, burn)) in flat.iter().zip(&burn).enumerate() {
+        for (step, (a, b)) in flat.params.iter().zip(burn).enumerate() {
+            assert_eq!(a, b, "rank {rank} step {step}");
+        }
+    }
+}
+
+#[test]
+fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
+    for ranks in [2, 4] {
+        let reference = threads(ranks, |group| zero_run(group, ZeroStage::Zero0, false));
+        for (stage, offload) in [
+            (ZeroStage::One, false),
+            (ZeroStage::Two, false),
+            (ZeroStage::Three, false),
+            (ZeroStage::One, true),
+            (ZeroStage::Three, true),
+        ] {
+            let runs = threads(ranks, move |group| zero_run(group, stage, offload));
+            for (rank, (run, expected)) in runs.iter().zip(&reference).enumerate() {
+                let what = format!("{stage} offload {offload} on {ranks} ranks, rank {rank}");
+                // Same reduction order (sums in rank order), same elementwise AdamW: bitwise.
+                for (step, (params, expected)) in
+                    run.params.iter().zip(&expected.params).enumerate()
+                {
+                    assert_eq!(params, expected, "{what}, parameters after step {step}");
+                }
+                for ((range, part), (_, full)) in run.owned_grads.iter().zip(&expected.owned_grads)
+                {
+                    assert_eq!(
+                        part.as_slice(),
+                        &full[range.clone()],
+                        "{what}, owned gradient"
+                    );
+                }
+                // Each owned part is summed in f32 by the backend: another order than the whole.
+                let relative =
+                    (run.norm_squared - expected.norm_squared).abs() / expected.norm_squared;
+                assert!(
+                    relative < 1e-6,
+                    "{what}: norm² {} vs {}",
+                    run.norm_squared,
+                    expected.norm_squared
+                );
+            }
+        }
+    }
+}

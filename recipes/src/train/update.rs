@@ -1,0 +1,248 @@
+//! From a rank's local gradients to updated parameters, under every data-parallel mode: the
+//! reduction over the data-parallel ranks, the global gradient norm and clipping, and AdamW.
+//!
+//! ```text
+//! ZeRO 0 (DDP)   all-reduce in buckets → full gradients on every replica → Burn's AdamW per tensor
+//! ZeRO 1 / 2     all-reduce / reduce-scatter in buckets → owned parts → AdamW on the owned
+//!                parts → all-gather the updated parameters
+//! ZeRO 3         (the step reduce-scattered already) → AdamW on the owned parts, kept sharded
+//! ```
+//!
+//! The norm is that of the full gradient in every mode: replicated gradients are summed over
+//! the pipeline's ranks only (each parameter once; the tied embedding's copy left out); owned
+//! parts over every rank.
+
+use std::sync::{Mutex, MutexGuard};
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
+use wildfire_parallel::dp::{self, FlatLayout, ParamSpec, ReduceStats, SetParams};
+use wildfire_parallel::fsdp::{StateBytes, ZeroOptimizer, ZeroStage};
+use wildfire_parallel::pp::graphs_lock;
+
+use crate::model::GptChunks;
+use crate::optim::{GptOptimizer, clip_factor, grad_sum_of_squares_except, scale_grads};
+
+/// The optimizer of a run, with its data-parallel reduction.
+pub enum Optimizers<B: AutodiffBackend> {
+    /// ZeRO 0: every replica holds everything.
+    Replicated {
+        optimizer: GptOptimizer<GptChunks<B>, B>,
+        layout: FlatLayout,
+    },
+    /// ZeRO 1–3.
+    Sharded(Mutex<ZeroOptimizer<B::InnerBackend>>),
+}
+
+impl<B: AutodiffBackend> std::fmt::Debug for Optimizers<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Replicated { layout, .. } => f
+                .debug_struct("Replicated")
+                .field("buckets", &layout.buckets.len())
+                .finish(),
+            Self::Sharded(zero) => f.debug_tuple("Sharded").field(&*lock(zero)).finish(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The groups an update communicates over.
+#[derive(Debug)]
+pub struct UpdateGroups<'a> {
+    /// Every rank of the job.
+    pub world: &'a ProcessGroup,
+    /// This rank's pipeline.
+    pub pipe: &'a ProcessGroup,
+    /// This rank's data-parallel group.
+    pub data: &'a ProcessGroup,
+}
+
+/// What an update measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UpdateStats {
+    pub grad_norm: f64,
+    pub reduce: ReduceStats,
+}
+
+/// `value` summed over `group` (itself in a group of one).
+pub(super) fn group_sum(group: &ProcessGroup, value: f64) -> anyhow::Result<f64> {
+    if group.size() == 1 {
+        return Ok(value);
+    }
+    let sum = group.all_reduce_host(HostTensor::new(vec![value], vec![1]), ReduceOp::Sum)?;
+    Ok(sum.data[0])
+}
+
+/// The ZeRO layout of `model`'s parameters: one unit per chunk under stage 3 (each chunk is one
+/// block there), the tied embedding's two copies alone in their buckets.
+pub fn zero_layout<B: AutodiffBackend>(
+    model: &GptChunks<B>,
+    stage: ZeroStage,
+    bucket_bytes: usize,
+) -> FlatLayout {
+    let (embedding, copy) = model.tied_embedding_ids();
+    let tied = [embedding, copy];
+    let specs: Vec<ParamSpec> = model
+        .chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(index, chunk)| {
+            dp::param_specs(chunk)
+                .into_iter()
+                .map(move |spec| ParamSpec {
+                    unit: if stage == ZeroStage::Three { index } else { 0 },
+                    alone: tied.contains(&Some(spec.id)),
+                    ..spec
+                })
+        })
+        .collect();
+    FlatLayout::new(&specs, bucket_bytes)
+}
+
+impl<B: AutodiffBackend> Optimizers<B> {
+    /// The ZeRO stage.
+    pub fn stage(&self) -> ZeroStage {
+        match self {
+            Self::Replicated { .. } => ZeroStage::Zero0,
+            Self::Sharded(zero) => lock(zero).stage(),
+        }
+    }
+
+    /// The sharded optimizer, where there is one.
+    pub fn sharded(&self) -> Option<MutexGuard<'_, ZeroOptimizer<B::InnerBackend>>> {
+        match self {
+            Self::Replicated { .. } => None,
+            Self::Sharded(zero) => Some(lock(zero)),
+        }
+    }
+
+    /// Bytes this rank holds for its model state (f32): for ZeRO 0 the whole chunks' parameters,
+    /// gradients and two AdamW moments.
+    pub fn state_bytes(&self) -> StateBytes {
+        match self {
+            Self::Replicated { layout, .. } => {
+                let bytes = 4 * layout.numel();
+                StateBytes {
+                    params: bytes,
+                    grads: bytes,
+                    optimizer_device: 2 * bytes,
+                    optimizer_host: 0,
+                }
+            }
+            Self::Sharded(zero) => lock(zero).state_bytes(),
+        }
+    }
+
+    /// Reduces `grads` (this rank's, summed over its micro-batches; under ZeRO 3 already
+    /// reduced to owned parts) over the data-parallel ranks, clips by the global norm with
+    /// `max_norm`, and returns the updated model. `tied_copy` is the head's copy of the token
+    /// embedding where this rank holds it (left out of the norm).
+    pub fn update(
+        &self,
+        groups: &UpdateGroups,
+        model: GptChunks<B>,
+        grads: GradientsParams,
+        lr: f64,
+        max_norm: f64,
+    ) -> anyhow::Result<(GptChunks<B>, UpdateStats)> {
+        let (_, tied_copy) = model.tied_embedding_ids();
+        let skip = tied_copy.as_slice();
+        let device = inner_device(&model);
+        match self {
+            Self::Replicated { optimizer, layout } => {
+                let (mut grads, reduce) =
+                    dp::all_reduce_gradients(groups.data, layout, &model, grads, &device)?;
+                let squares = grad_sum_of_squares_except(&model, &grads, skip);
+                let grad_norm = group_sum(groups.pipe, squares)?.sqrt();
+                if let Some(factor) = clip_factor(grad_norm, max_norm) {
+                    scale_grads(&model, &mut grads, factor);
+                }
+                let _lock = graphs_lock();
+                let model = optimizer.clone().step(lr, model, grads);
+                Ok((model, UpdateStats { grad_norm, reduce }))
+            }
+            Self::Sharded(zero) => {
+                let mut zero = lock(zero);
+                let (mut grads, reduce) = match zero.stage() {
+                    ZeroStage::Three => (grads, ReduceStats::default()),
+                    _ => zero.reduce(&model, grads)?,
+                };
+                let squares = zero.shard_sum_of_squares(&grads, skip);
+                let grad_norm = group_sum(groups.world, squares)?.sqrt();
+                if let Some(factor) = clip_factor(grad_norm, max_norm) {
+                    zero.scale_shards(&mut grads, factor);
+                }
+                let current = match zero.stage() {
+                    ZeroStage::Three => Default::default(),
+                    _ => dp::flat_params(&model),
+                };
+                let updated = zero.step(lr, &current, &mut grads)?;
+                drop(current);
+                let _lock = graphs_lock();
+                let model = model.map(&mut SetParams(&updated));
+                Ok((model, UpdateStats { grad_norm, reduce }))
+            }
+        }
+    }
+}
+
+/// The inner backend's device of `model`'s parameters.
+pub fn inner_device<B: AutodiffBackend>(
+    model: &GptChunks<B>,
+) -> burn::tensor::Device<B::InnerBackend> {
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    burn::tensor::Tensor::<B, 1>::zeros([1], &device)
+        .inner()
+        .device()
+}
+
+/// Checks that every data-parallel replica starts from the same parameters: an FNV-1a hash of
+/// every parameter's bits, in registration order, compared over `data`.
+pub fn check_same_init<B: AutodiffBackend>(
+    model: &GptChunks<B>,
+    data: &ProcessGroup,
+) -> anyhow::Result<()> {
+    if data.size() == 1 {
+        return Ok(());
+    }
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut values = dp::flat_params(model);
+    for spec in dp::param_specs(model) {
+        let Some(value) = values.remove(&spec.id) else {
+            continue;
+        };
+        let data = value.into_data();
+        for byte in data.as_bytes() {
+            hash = (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    // Two halves, each exact in f64.
+    let mine = HostTensor::new(
+        vec![(hash >> 32) as f64, (hash & 0xffff_ffff) as f64],
+        vec![1, 2],
+    );
+    let all = data
+        .all_gather_host(mine, 0)
+        .context("comparing initial parameters")?;
+    let hashes: Vec<u64> = all
+        .data
+        .chunks(2)
+        .map(|pair| ((pair[0] as u64) << 32) | pair[1] as u64)
+        .collect();
+    if let Some(rank) = hashes.iter().position(|h| *h != hashes[0]) {
+        anyhow::bail!(
+            "data-parallel rank {rank} starts from different parameters than rank 0 (checksums \
+             {:016x} and {:016x}): every replica must draw the same initialisation",
+            hashes[rank],
+            hashes[0]
+        );
+    }
+    Ok(())
+}
