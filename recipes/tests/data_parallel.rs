@@ -208,10 +208,48 @@ fn every_zero_stage_resumes_bitwise() {
     }
 }
 
+/// A ZeRO 3 checkpoint (parameters and moments in flat pieces) resumes under ZeRO 1 (whole
+/// parameters, sharded moments) and continues bitwise like an uninterrupted ZeRO 1 run (untied
+/// embeddings, where the two stages train bitwise alike).
+#[test]
+fn a_zero3_checkpoint_resumes_under_zero1() {
+    let untied = [
+        "--set",
+        "model.tie_embeddings=false",
+        "--transport",
+        "local",
+        "--dp",
+        "2",
+    ];
+    let zero1: Vec<&str> = untied.iter().copied().chain(["--zero", "1"]).collect();
+    let whole = dp_train("restage-whole", 2, &zero1);
+    let zero3: Vec<&str> = untied.iter().copied().chain(["--zero", "3"]).collect();
+    let dir = dp_train("restage", 2, &zero3);
+    for step in 6..=10 {
+        let path = dir.join("checkpoints").join(format!("step-{step:08}"));
+        std::fs::remove_dir_all(path).expect("remove");
+    }
+    let mut args = dp_args(&dir, 2);
+    args.extend(["--resume", "--zero", "1"].map(String::from));
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("2 ranks, ZeRO-1"), "{}", text(&out));
+    assert_eq!(
+        series(&dir, "train", "loss"),
+        series(&whole, "train", "loss")
+    );
+    assert_eq!(params_by_step(&dir), params_by_step(&whole));
+}
+
 /// Bad data-parallel settings are refused before training, naming every number.
 #[test]
 fn bad_data_parallel_settings_are_named() {
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--offload-optimizer"],
+            "parallel.offload_optimizer = true offloads ZeRO's sharded optimizer, but \
+             parallel.zero = 0 keeps Burn's replicated one",
+        ),
         (
             &[
                 "--dp",

@@ -25,8 +25,9 @@
 //!
 //! **Offload** keeps the owned master parameters and moments in host memory (Burn's `Flex`
 //! backend) and runs the update there, as DeepSpeed's ZeRO-Offload does: on a GPU this frees
-//! `12 bytes / p` per parameter of device memory; on the CPU the same code runs with both sides
-//! in host memory.
+//! the moments' `8 bytes / p` per parameter of device memory (and under stage 3 the owned
+//! parameters' `4 / p` too; stages 1 and 2 keep their replicated parameters on the device); on
+//! the CPU the same code runs with both sides in host memory.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -122,9 +123,9 @@ pub struct Piece {
     pub param_numel: usize,
     pub offset: usize,
     pub numel: usize,
-    pub param: Option<TensorData>,
-    pub exp_avg: Option<TensorData>,
-    pub exp_avg_sq: Option<TensorData>,
+    pub param: Option<Vec<f32>>,
+    pub exp_avg: Option<Vec<f32>>,
+    pub exp_avg_sq: Option<Vec<f32>>,
     pub time: usize,
 }
 
@@ -247,20 +248,37 @@ impl<B: Backend> ZeroOptimizer<B> {
             if found.iter().all(Option::is_none) {
                 continue;
             }
+            let shapes = || {
+                let shapes: Vec<_> = bucket.slots.iter().map(|s| &s.param.shape).collect();
+                format!("{shapes:?}")
+            };
             let Some(found) = found.into_iter().collect::<Option<Vec<_>>>() else {
                 return Err(ZeroError::State(format!(
-                    "a checkpoint has AdamW moments for some parameters of a bucket of {} \
-                     elements but not all; it cannot be resumed under {}",
-                    bucket.numel, self.stage
+                    "a checkpoint has AdamW moments for some parameters of a bucket (shapes {}) \
+                     but not all; it cannot be resumed under {}",
+                    shapes(),
+                    self.stage
                 )));
             };
             let time = found[0].time;
             if let Some(other) = found.iter().find(|m| m.time != time) {
                 return Err(ZeroError::State(format!(
-                    "AdamW step counts {time} and {} within one bucket; the checkpoint's \
-                     parameters were not updated together",
-                    other.time
+                    "AdamW step counts {time} and {} within one bucket (shapes {}); the \
+                     checkpoint's parameters were not updated together",
+                    other.time,
+                    shapes()
                 )));
+            }
+            for (slot, moments) in bucket.slots.iter().zip(&found) {
+                let lengths = [moments.exp_avg.dims()[0], moments.exp_avg_sq.dims()[0]];
+                if lengths != [slot.param.numel(); 2] {
+                    return Err(ZeroError::State(format!(
+                        "AdamW moments of {lengths:?} elements for a parameter of shape {:?} \
+                         ({} elements)",
+                        slot.param.shape,
+                        slot.param.numel()
+                    )));
+                }
             }
             let cat = |pick: fn(&FullMoments<B>) -> Tensor<B, 1>| {
                 owned_part(
@@ -297,11 +315,14 @@ impl<B: Backend> ZeroOptimizer<B> {
     {
         let started = Instant::now();
         let mut grads = grads;
-        let flat = dp::take_grads(module, &mut grads);
+        let mut flat = dp::take_grads(module, &mut grads);
         let mut stats = ReduceStats::default();
         let mut sharded = GradientsParams::new();
         for (index, bucket) in self.layout.buckets.iter().enumerate() {
             let local = dp::flatten(bucket, &flat, &self.device);
+            for slot in &bucket.slots {
+                flat.remove(&slot.param.id);
+            }
             let comm = Instant::now();
             let owned = self.reduce_bucket(index, local)?;
             stats.comm += comm.elapsed();
@@ -328,7 +349,8 @@ impl<B: Backend> ZeroOptimizer<B> {
     }
 
     /// `Σ ‖g‖²` over this rank's parts of the sharded gradients `grads`, leaving out the
-    /// parameters `skip`. Summed over the data-parallel ranks it is the full gradient's.
+    /// parameters `skip`. Under stages 1–3, summed over the data-parallel ranks it is the full
+    /// gradient's (under stage 0 every rank owns everything: it is already the full one).
     pub fn shard_sum_of_squares(&self, grads: &GradientsParams, skip: &[ParamId]) -> f64 {
         let mut total = 0.0;
         for (bucket, shard) in self.layout.buckets.iter().zip(&self.shards) {
@@ -424,18 +446,28 @@ impl<B: Backend> ZeroOptimizer<B> {
 
     /// Stage 3: every parameter of `unit`, all-gathered from the owned parts (flat, by id).
     pub fn gather_unit(&self, unit: usize) -> Result<FlatTensors<B>, ZeroError> {
+        self.gather_buckets(|bucket| bucket.unit == unit)
+    }
+
+    /// Stage 3: the buckets `pick` selects, all-gathered (flat, by parameter id).
+    fn gather_buckets(
+        &self,
+        pick: impl Fn(&dp::Bucket) -> bool,
+    ) -> Result<FlatTensors<B>, ZeroError> {
         let mut params = HashMap::new();
         for (bucket, shard) in self.layout.buckets.iter().zip(&self.shards) {
-            if bucket.unit != unit {
+            if !pick(bucket) {
                 continue;
             }
             let owned = match &shard.master {
                 Some(Flat::Device(t)) => t.clone(),
                 Some(Flat::Host(t)) => from_host(t.clone(), &self.device),
                 None => {
-                    return Err(ZeroError::State(
-                        "stage 3 has no parameters: set_params was not called".into(),
-                    ));
+                    return Err(ZeroError::State(format!(
+                        "{} keeps no parameters of a bucket of {} elements: set_params was not \
+                         called",
+                        self.stage, bucket.numel
+                    )));
                 }
             };
             params.extend(dp::unflatten(bucket, self.all_gather(owned)?));
@@ -480,25 +512,27 @@ impl<B: Backend> ZeroOptimizer<B> {
 
     /// The owned pieces of every parameter, for a checkpoint: moments always, parameter values
     /// under stage 3 (the other stages' replicas hold them whole).
-    pub fn pieces(&self) -> Vec<Piece> {
+    pub fn pieces(&self) -> Result<Vec<Piece>, ZeroError> {
         let mut pieces = Vec::new();
         for (bucket, shard) in self.layout.buckets.iter().zip(&self.shards) {
             let (m1, m2, time) = match &shard.moments {
                 Some(Moments::Device(s)) => (
-                    Some(s.momentum.moment_1.clone().into_data()),
-                    Some(s.momentum.moment_2.clone().into_data()),
+                    Some(f32_values(s.momentum.moment_1.clone().into_data())?),
+                    Some(f32_values(s.momentum.moment_2.clone().into_data())?),
                     s.momentum.time,
                 ),
                 Some(Moments::Host(s)) => (
-                    Some(s.momentum.moment_1.clone().into_data()),
-                    Some(s.momentum.moment_2.clone().into_data()),
+                    Some(f32_values(s.momentum.moment_1.clone().into_data())?),
+                    Some(f32_values(s.momentum.moment_2.clone().into_data())?),
                     s.momentum.time,
                 ),
                 None => (None, None, 0),
             };
             let master = match (&shard.master, self.stage) {
-                (Some(Flat::Device(t)), ZeroStage::Three) => Some(t.clone().into_data()),
-                (Some(Flat::Host(t)), ZeroStage::Three) => Some(t.clone().into_data()),
+                (Some(Flat::Device(t)), ZeroStage::Three) => {
+                    Some(f32_values(t.clone().into_data())?)
+                }
+                (Some(Flat::Host(t)), ZeroStage::Three) => Some(f32_values(t.clone().into_data())?),
                 _ => None,
             };
             for slot in &bucket.slots {
@@ -507,7 +541,8 @@ impl<B: Backend> ZeroOptimizer<B> {
                     continue;
                 }
                 let local = owned.start - shard.range.start..owned.end - shard.range.start;
-                let cut = |data: &Option<TensorData>| data.as_ref().map(|d| slice_data(d, &local));
+                let cut =
+                    |values: &Option<Vec<f32>>| values.as_ref().map(|v| v[local.clone()].to_vec());
                 pieces.push(Piece {
                     id: slot.param.id,
                     param_numel: slot.param.numel(),
@@ -520,8 +555,15 @@ impl<B: Backend> ZeroOptimizer<B> {
                 });
             }
         }
-        pieces
+        Ok(pieces)
     }
+}
+
+/// The values of f32 `data`.
+fn f32_values(data: TensorData) -> Result<Vec<f32>, ZeroError> {
+    let dtype = data.dtype;
+    data.to_vec()
+        .map_err(|_| ZeroError::State(format!("sharded state is {dtype:?}; checkpoints store f32")))
 }
 
 /// Elements `range` of `whole` in a buffer of their own. A slice may be a view that keeps its
@@ -533,11 +575,6 @@ fn owned_part<B: Backend>(whole: &Tensor<B, 1>, range: &Range<usize>) -> Tensor<
 
 fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
     a.start.max(b.start)..a.end.min(b.end).max(a.start.max(b.start))
-}
-
-fn slice_data(data: &TensorData, range: &Range<usize>) -> TensorData {
-    let values: Vec<f32> = data.to_vec().unwrap_or_default();
-    TensorData::new(values[range.clone()].to_vec(), [range.len()])
 }
 
 fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {

@@ -15,8 +15,8 @@
 //!           reduce-scatter the local sum into the owned gradient parts; free θ_k
 //! ```
 //!
-//! So each unit's parameters are gathered twice per step and its gradients reduce-scattered
-//! once; at most one unit is whole at a time, and the activations kept between forward and
+//! So each unit's parameters are gathered twice per step (the last unit's once) and its
+//! gradients reduce-scattered once; at most one unit is whole at a time, and the activations kept between forward and
 //! backward are the units' inputs (the recomputation is the price, as with full activation
 //! checkpointing). Summing the micro-batches locally before reducing is DDP's order, so a stage-3
 //! step equals a DDP step bitwise. Recomputation repeats the forward bitwise, so dropout masks must
@@ -63,7 +63,7 @@ impl<B: Backend> ModuleMapper<B> for Placeholders<B::Device> {
 /// graph leaves when `leaves`.
 struct Materialize<'a, B: Backend> {
     values: &'a FlatTensors<B>,
-    shapes: &'a HashMap<burn::module::ParamId, Vec<usize>>,
+    shapes: &'a HashMap<ParamId, Vec<usize>>,
     leaves: bool,
 }
 
@@ -97,8 +97,42 @@ pub struct ShardedStep {
     pub peak_gathered: usize,
 }
 
+/// A parameter that a later unit uses again under another id (a tied embedding's head copy):
+/// the copy is not in the layout; it is filled from the original's gathered values, and its
+/// gradient is added to the original's before the original's unit is reduced.
+#[derive(Debug, Clone, Copy)]
+struct Alias {
+    original: ParamId,
+    copy: ParamId,
+    /// The unit that holds the copy.
+    unit: usize,
+}
+
+impl Alias {
+    /// `tied = (original, copy)`, with the unit of `units` that holds the copy.
+    fn find<A: AutodiffBackend, C: AutodiffModule<A>>(
+        tied: Option<(ParamId, ParamId)>,
+        units: &[C],
+    ) -> Result<Option<Self>, ZeroError> {
+        let Some((original, copy)) = tied else {
+            return Ok(None);
+        };
+        let unit = units
+            .iter()
+            .position(|u| dp::param_specs(u).iter().any(|s| s.id == copy))
+            .ok_or_else(|| {
+                ZeroError::State(format!("no unit holds the tied copy {copy} of {original}"))
+            })?;
+        Ok(Some(Self {
+            original,
+            copy,
+            unit,
+        }))
+    }
+}
+
 impl<B: Backend> ZeroOptimizer<B> {
-    fn shapes(&self) -> HashMap<burn::module::ParamId, Vec<usize>> {
+    fn shapes(&self) -> HashMap<ParamId, Vec<usize>> {
         self.layout()
             .buckets
             .iter()
@@ -107,27 +141,71 @@ impl<B: Backend> ZeroOptimizer<B> {
             .collect()
     }
 
-    /// Unit `unit`'s parameters, gathered, counting the time and the elements.
+    /// Unit `unit`'s parameters, gathered (with an alias's copy where the unit holds it),
+    /// counting the time and the elements.
     fn gather_values(
         &self,
         unit: usize,
+        alias: Option<Alias>,
         comm: &mut Duration,
         peak: &mut usize,
     ) -> Result<FlatTensors<B>, ZeroError> {
         let started = Instant::now();
-        let values = self.gather_unit(unit)?;
+        let mut values = self.gather_unit(unit)?;
+        if let Some(alias) = alias.filter(|a| a.unit == unit) {
+            let original = match values.get(&alias.original) {
+                Some(value) => value.clone(),
+                None => self
+                    .gather_buckets(|b| b.slots.iter().any(|s| s.param.id == alias.original))?
+                    .remove(&alias.original)
+                    .ok_or_else(|| {
+                        ZeroError::State(format!(
+                            "the tied parameter {} is in no bucket",
+                            alias.original
+                        ))
+                    })?,
+            };
+            values.insert(alias.copy, original);
+        }
         *comm += started.elapsed();
         let elements: usize = values.values().map(|t| t.shape().num_elements()).sum();
         *peak = (*peak).max(elements);
         Ok(values)
     }
+
+    /// Unit `unit` of `units` with `values`, as graph leaves when `leaves` (under the autodiff
+    /// lock: making a tensor require grad registers it).
+    fn materialize<A, C>(
+        &self,
+        unit: &C,
+        values: &FlatTensors<B>,
+        shapes: &HashMap<ParamId, Vec<usize>>,
+        alias: Option<Alias>,
+        leaves: bool,
+    ) -> C
+    where
+        A: AutodiffBackend<InnerBackend = B>,
+        C: AutodiffModule<A>,
+    {
+        let mut shapes = std::borrow::Cow::Borrowed(shapes);
+        if let Some(alias) = alias
+            && let Some(shape) = shapes.get(&alias.original).cloned()
+        {
+            shapes.to_mut().insert(alias.copy, shape);
+        }
+        unit.clone().map(&mut Materialize {
+            values,
+            shapes: &shapes,
+            leaves,
+        })
+    }
 }
 
 /// One stage-3 training step of one rank over `batches` (see the module doc). `units` are the
-/// skeletons, in order; the layout's buckets carry each parameter's unit. `tied` names a
-/// parameter's two copies `(a, b)` held by different units (a tied embedding and the head's
-/// copy), each alone in its bucket: `a`'s gradient becomes `Σ g_a + Σ g_b` before it is
-/// reduced, and `b` gets the same owned part.
+/// skeletons, in order; the layout's buckets carry each parameter's unit. `tied = (a, b)` names
+/// a parameter `a` of the layout that a later unit uses again as `b` (a tied embedding and the
+/// head's copy, not in the layout): `b` is filled from `a`'s gathered values, and `a`'s
+/// gradient is `Σ g_a + Σ g_b`.
 pub fn run_sharded_step<A, C>(
     zero: &ZeroOptimizer<A::InnerBackend>,
     units: &[C],
@@ -138,25 +216,23 @@ where
     A: AutodiffBackend,
     C: PipelineChunk<A> + AutodiffModule<A>,
 {
-    if zero.stage() != ZeroStage::Three {
+    if zero.stage() != ZeroStage::Three || units.is_empty() {
         return Err(ZeroError::State(format!(
-            "run_sharded_step needs ZeRO stage 3, not {}",
-            zero.stage()
+            "run_sharded_step needs ZeRO stage 3 and at least one unit, not {} with {} units",
+            zero.stage(),
+            units.len()
         )));
     }
+    let alias = Alias::find(tied, units)?;
     let shapes = zero.shapes();
     let last = units.len() - 1;
     let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
     // inputs[k][mb]: unit k's input for micro-batch mb (none for the first unit).
     let mut inputs: Vec<Vec<Option<Tensor<A::InnerBackend, 3>>>> = vec![vec![None; batches.len()]];
     for unit in 0..last {
-        let values = zero.gather_values(unit, &mut comm, &mut peak)?;
-        let module = units[unit].clone().map(&mut Materialize {
-            values: &values,
-            shapes: &shapes,
-            leaves: false,
-        });
+        let values = zero.gather_values(unit, alias, &mut comm, &mut peak)?;
         let _lock = graphs_lock();
+        let module = zero.materialize(&units[unit], &values, &shapes, alias, false);
         let outputs = batches
             .iter()
             .zip(&inputs[unit])
@@ -172,18 +248,14 @@ where
     }
     let mut output_grads: Vec<Option<Tensor<A::InnerBackend, 3>>> = vec![None; batches.len()];
     let mut owned = HashMap::new();
-    let mut tied_grad = None;
+    let mut copy_grad = None;
     for unit in (0..=last).rev() {
-        let values = zero.gather_values(unit, &mut comm, &mut peak)?;
+        let values = zero.gather_values(unit, alias, &mut comm, &mut peak)?;
         let mut local: FlatTensors<A::InnerBackend> = HashMap::new();
         for (mb, batch) in batches.iter().enumerate() {
-            // Fresh leaves per micro-batch: Burn frees a graph's leaves with its backward.
-            let module = units[unit].clone().map(&mut Materialize {
-                values: &values,
-                shapes: &shapes,
-                leaves: true,
-            });
             let _lock = graphs_lock();
+            // Fresh leaves per micro-batch: Burn frees a graph's leaves with its backward.
+            let module = zero.materialize(&units[unit], &values, &shapes, alias, true);
             let input = inputs[unit][mb]
                 .take()
                 .map(|x| Tensor::<A, 3>::from_inner(x).require_grad());
@@ -207,14 +279,18 @@ where
                 local.insert(id, sum);
             }
         }
-        if let Some((a, b)) = tied {
-            if let Some(copy) = local.remove(&b) {
-                tied_grad = Some(copy);
+        if let Some(alias) = alias {
+            if let Some(grad) = local.remove(&alias.copy) {
+                copy_grad = Some(grad);
             }
-            if local.contains_key(&a)
-                && let (Some(grad), Some(copy)) = (local.remove(&a), tied_grad.take())
-            {
-                local.insert(a, grad + copy);
+            if let Some(grad) = local.remove(&alias.original) {
+                let copy = copy_grad.take().ok_or_else(|| {
+                    ZeroError::State(format!(
+                        "the tied copy's unit {} must come after its original's unit {unit}",
+                        alias.unit
+                    ))
+                })?;
+                local.insert(alias.original, grad + copy);
             }
         }
         let started = Instant::now();
@@ -222,27 +298,10 @@ where
         comm += started.elapsed();
     }
     let mut grads = GradientsParams::new();
-    let layout = zero.layout();
-    for (index, bucket) in layout.buckets.iter().enumerate() {
+    for (index, bucket) in zero.layout().buckets.iter().enumerate() {
         if let Some(grad) = owned.remove(&index) {
             grads.register(bucket.id, grad);
         }
-    }
-    if let Some((a, b)) = tied {
-        let bucket_of = |id| {
-            layout
-                .buckets
-                .iter()
-                .find(|bucket| bucket.slots.len() == 1 && bucket.slots[0].param.id == id)
-                .map(|bucket| bucket.id)
-                .ok_or_else(|| {
-                    ZeroError::State("a tied parameter is not alone in its bucket".into())
-                })
-        };
-        let part = grads
-            .get::<A::InnerBackend, 1>(bucket_of(a)?)
-            .ok_or_else(|| ZeroError::State("the tied parameter has no gradient".into()))?;
-        grads.register(bucket_of(b)?, part);
     }
     Ok(ShardedStep {
         loss,
@@ -252,33 +311,32 @@ where
     })
 }
 
-/// The summed loss of `batches` through the stage-3 units, forward only (evaluation).
+/// The summed loss of `batches` through the stage-3 units, forward only (evaluation): each
+/// unit is gathered once for every batch. `tied` as in [`run_sharded_step`].
 pub fn run_sharded_forward<A, C>(
     zero: &ZeroOptimizer<A::InnerBackend>,
     units: &[C],
     batches: &[C::Batch],
+    tied: Option<(ParamId, ParamId)>,
 ) -> Result<f64, ZeroError>
 where
     A: AutodiffBackend,
     C: PipelineChunk<A> + AutodiffModule<A>,
 {
+    let alias = Alias::find(tied, units)?;
     let shapes = zero.shapes();
     let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
-    for batch in batches {
-        let mut x: Option<Tensor<A::InnerBackend, 3>> = None;
-        for unit in 0..units.len() {
-            let values = zero.gather_values(unit, &mut comm, &mut peak)?;
-            let module = units[unit].clone().map(&mut Materialize {
-                values: &values,
-                shapes: &shapes,
-                leaves: false,
-            });
-            let _lock = graphs_lock();
+    let mut xs: Vec<Option<Tensor<A::InnerBackend, 3>>> = vec![None; batches.len()];
+    for unit in 0..units.len() {
+        let values = zero.gather_values(unit, alias, &mut comm, &mut peak)?;
+        let _lock = graphs_lock();
+        let module = zero.materialize(&units[unit], &values, &shapes, alias, false);
+        for (x, batch) in xs.iter_mut().zip(batches) {
             let output = module.forward(x.take().map(Tensor::from_inner), batch);
             if unit + 1 == units.len() {
                 loss += module.loss(output, batch).1;
             } else {
-                x = Some(output.inner());
+                *x = Some(output.inner());
             }
         }
     }

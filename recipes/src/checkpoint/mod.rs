@@ -206,13 +206,15 @@ pub fn save<B: AutodiffBackend>(
         Optimizers::Sharded(_) => {
             let zero = optimizers.sharded().context("a sharded optimizer")?;
             let names = names_by_id(model);
-            for piece in zero.pieces() {
+            for piece in zero.pieces()? {
                 let name = &names[&piece.id];
                 if name == TIED_COPY {
                     continue;
                 }
                 slices.extend(piece_slices(name, &piece));
-                steps.insert(name.clone(), piece.time);
+                if piece.exp_avg.is_some() {
+                    steps.insert(name.clone(), piece.time);
+                }
             }
             for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
                 shapes.insert(names[&slot.param.id].clone(), slot.param.shape.clone());
@@ -257,14 +259,14 @@ fn piece_slices(name: &str, piece: &Piece) -> Vec<TensorSlice> {
     stored
         .into_iter()
         .filter_map(|(name, data)| {
-            let data = data.as_ref()?;
+            let values = data.as_ref()?;
             Some(TensorSlice {
                 name,
                 dtype: Dtype::F32,
                 global_shape: vec![piece.param_numel],
                 offset: vec![piece.offset],
                 shape: vec![piece.numel],
-                bytes: data.as_bytes().to_vec(),
+                bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             })
         })
         .collect()
@@ -294,7 +296,8 @@ fn join_slices(slices: Vec<TensorSlice>) -> anyhow::Result<BTreeMap<String, Tens
                 || piece.offset[0] != next
             {
                 bail!(
-                    "tensor {name}: its pieces do not tile it (a piece at {:?} of {:?} of global                      shape {:?}, expected one at [{next}] of shape {total:?})",
+                    "tensor {name}: its pieces do not tile it (a piece at {:?} of {:?} of global \
+                     shape {:?}, expected one at [{next}] of shape {total:?})",
                     piece.offset,
                     piece.shape,
                     piece.global_shape
@@ -439,12 +442,15 @@ impl Loaded {
                 let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
                     return;
                 };
-                let device = param.val().inner().device();
+                let value = param.val().inner();
+                let (device, numel) = (value.device(), value.shape().num_elements());
+                // Flattened, and only with the parameter's element count.
                 let take = |prefix: &str| {
                     let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
-                    let numel = data.shape.iter().product::<usize>();
-                    let flat =
-                        TensorData::from_bytes_vec(data.as_bytes().to_vec(), [numel], data.dtype);
+                    let numbers = data.shape.iter().product::<usize>();
+                    let flat = (numbers == numel).then(|| {
+                        TensorData::from_bytes_vec(data.as_bytes().to_vec(), [numel], data.dtype)
+                    })?;
                     Some(Tensor::<B::InnerBackend, 1>::from_data(flat, &device))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {

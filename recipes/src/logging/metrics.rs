@@ -27,7 +27,7 @@ pub struct StepOutput {
     pub mfu: Option<f64>,
     /// The largest measured pipeline bubble over the ranks (pipeline runs only).
     pub bubble: Option<f64>,
-    /// Time rank 0 spent in data-parallel collectives during the step.
+    /// Time in data-parallel collectives during the step (see `StepRecord::comm_ms`).
     pub comm_ms: Option<f64>,
 }
 

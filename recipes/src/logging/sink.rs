@@ -23,7 +23,9 @@ pub struct StepRecord {
     /// Model FLOPs utilisation in [0, 1]; absent when the device peak is unknown.
     pub mfu: Option<f64>,
     pub step_time_ms: f64,
-    /// Time in data-parallel collectives (gradient reduction; ZeRO's gathers), on rank 0.
+    /// Time rank 0 spent in the data-parallel gradient reduction (and, under ZeRO 3, in the
+    /// parameter all-gathers of the forward and backward; the all-gather that follows a ZeRO
+    /// 1/2 update is not counted).
     pub comm_ms: f64,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]

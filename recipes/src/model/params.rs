@@ -155,15 +155,15 @@ pub fn load_params<B: Backend, M: Module<B>>(
                     name,
                     origin: self.source.to_string(),
                 }),
-                // A sharded checkpoint stores the parameter flattened.
-                Some(data) => {
-                    crate::checkpoint::shaped(&data, &expected).ok_or_else(|| LoadError::Shape {
+                Some(data) if data.shape.as_slice() != expected.as_slice() => {
+                    Err(LoadError::Shape {
                         name,
                         found: data.shape.to_vec(),
                         expected,
                         origin: self.source.to_string(),
                     })
                 }
+                Some(data) => Ok(data),
             };
             let tensor = match replacement {
                 Ok(data) => {

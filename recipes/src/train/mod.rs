@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::data::dataloader::Progress;
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -199,11 +199,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
             && zero.stage() == ZeroStage::Three
         {
             let started = Instant::now();
-            let tied = match model.tied_embedding_ids() {
-                (Some(embedding), Some(copy)) => Some((embedding, copy)),
-                _ => None,
-            };
-            let step = run_sharded_step(&zero, &model.chunks, micro, tied)?;
+            let step = run_sharded_step(&zero, &model.chunks, micro, tied_pair(model))?;
             let grads = step.grads;
             let stats = StepStats {
                 loss: step.loss,
@@ -307,7 +303,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
         let loss_sum = match sharded.as_deref() {
             Some(zero) if zero.stage() == ZeroStage::Three => {
                 let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
-                run_sharded_forward(zero, &model.chunks, &batches)?
+                run_sharded_forward(zero, &model.chunks, &batches, tied_pair(model))?
             }
             _ => {
                 let model = burn::module::AutodiffModule::valid(model);
@@ -489,6 +485,14 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
             }
         }
         (self.current_model(), events)
+    }
+}
+
+/// The tied embedding and the head's copy of it, when this rank holds both (ZeRO 3).
+fn tied_pair<B: AutodiffBackend>(model: &GptChunks<B>) -> Option<(ParamId, ParamId)> {
+    match model.tied_embedding_ids() {
+        (Some(embedding), Some(copy)) => Some((embedding, copy)),
+        _ => None,
     }
 }
 

@@ -464,6 +464,8 @@ fn run_rank<B: AutodiffBackend>(
             );
         }
     }
+    // Everything the checkpoint held is in the model and optimizer now.
+    drop(resumed);
     // The loop holds the model (see `StepLoop::model`); the learner keeps a placeholder copy,
     // its optimizer is never stepped.
     let placeholder = {

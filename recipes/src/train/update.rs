@@ -81,14 +81,16 @@ pub(super) fn group_sum(group: &ProcessGroup, value: f64) -> anyhow::Result<f64>
 }
 
 /// The ZeRO layout of `model`'s parameters: one unit per chunk under stage 3 (each chunk is one
-/// block there), the tied embedding's two copies alone in their buckets.
+/// block there), the tied embedding alone in its bucket. Under stage 3 the head's copy of the
+/// embedding is left out (it is gathered from the embedding, see `run_sharded_step`); a
+/// pipeline's last stage keeps its copy, alone in its bucket too.
 pub fn zero_layout<B: AutodiffBackend>(
     model: &GptChunks<B>,
     stage: ZeroStage,
     bucket_bytes: usize,
 ) -> FlatLayout {
     let (embedding, copy) = model.tied_embedding_ids();
-    let tied = [embedding, copy];
+    let units = stage == ZeroStage::Three;
     let specs: Vec<ParamSpec> = model
         .chunks
         .iter()
@@ -97,11 +99,12 @@ pub fn zero_layout<B: AutodiffBackend>(
             dp::param_specs(chunk)
                 .into_iter()
                 .map(move |spec| ParamSpec {
-                    unit: if stage == ZeroStage::Three { index } else { 0 },
-                    alone: tied.contains(&Some(spec.id)),
+                    unit: if units { index } else { 0 },
+                    alone: [embedding, copy].contains(&Some(spec.id)),
                     ..spec
                 })
         })
+        .filter(|spec| !(units && Some(spec.id) == copy))
         .collect();
     FlatLayout::new(&specs, bucket_bytes)
 }
