@@ -291,18 +291,7 @@ fn bad_data_parallel_settings_are_named() {
             "the world has 1 ranks, but dp 2 × tp 1 × pp 1 = 2",
         ),
     ];
-    for (flags, expected) in cases {
-        let dir = run_dir("bad-dp");
-        let mut args = base_args(&dir);
-        args.extend(flags.iter().map(|s| s.to_string()));
-        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
-        assert!(!out.status.success(), "{flags:?} succeeded");
-        assert!(text(&out).contains(expected), "{flags:?}:\n{}", text(&out));
-        assert!(
-            !dir.join("metrics.jsonl").exists(),
-            "{flags:?} wrote metrics"
-        );
-    }
+    assert_refused("bad-dp", &cases);
 }
 
 /// A data-parallel rank killed mid-run (processes) fails the job well within the deadline, and

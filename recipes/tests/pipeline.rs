@@ -192,18 +192,7 @@ fn bad_pipelines_are_named() {
              of gpipe, 1f1b, interleaved",
         ),
     ];
-    for (flags, expected) in cases {
-        let dir = run_dir("bad");
-        let mut args = base_args(&dir);
-        args.extend(flags.iter().map(|s| s.to_string()));
-        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
-        assert!(!out.status.success(), "{flags:?} succeeded");
-        assert!(text(&out).contains(expected), "{flags:?}:\n{}", text(&out));
-        assert!(
-            !dir.join("metrics.jsonl").exists(),
-            "{flags:?} wrote metrics"
-        );
-    }
+    assert_refused("bad", &cases);
 }
 
 /// A rank killed in the middle of a pipeline run over processes makes the job fail, naming it,

@@ -158,6 +158,23 @@ pub fn max_param_difference(
     worst
 }
 
+/// `wildfire train` with the base arguments plus each case's flags fails before training (no
+/// metrics written), saying the case's message.
+pub fn assert_refused(name: &str, cases: &[(&[&str], &str)]) {
+    for (flags, expected) in cases {
+        let dir = run_dir(name);
+        let mut args = base_args(&dir);
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+        assert!(!out.status.success(), "{flags:?} succeeded");
+        assert!(text(&out).contains(expected), "{flags:?}:\n{}", text(&out));
+        assert!(
+            !dir.join("metrics.jsonl").exists(),
+            "{flags:?} wrote metrics"
+        );
+    }
+}
+
 /// The pid of the launcher's child whose environment says `RANK=rank`.
 pub fn child_with_rank(launcher: u32, rank: usize) -> Option<u32> {
     let wanted = format!("RANK={rank}");
