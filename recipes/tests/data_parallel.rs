@@ -17,7 +17,6 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use burn::tensor::TensorData;
 use common::*;
@@ -311,17 +310,7 @@ fn a_killed_data_parallel_rank_fails_the_job_and_a_relaunch_resumes() {
         ]
         .map(String::from),
     );
-    let (out, waited) = launch_and_kill(&dir, 2, 29681, train_args, 1);
-    assert!(!out.status.success(), "{}", text(&out));
-    let out = text(&out);
-    assert!(
-        out.contains("rank 1") && (out.contains("SIGKILL") || out.contains("rank 1 is gone")),
-        "{out}"
-    );
-    assert!(
-        waited < Duration::from_secs(30),
-        "took {waited:?} after the kill"
-    );
+    assert_killed_rank_fails_the_job(&dir, 2, 29681, train_args, 1);
 
     let (last, _) = checkpoint::store::list_checkpoints(&dir.join("checkpoints"))
         .expect("checkpoints")

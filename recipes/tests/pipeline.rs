@@ -13,7 +13,6 @@
 mod common;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use common::*;
 
@@ -202,16 +201,5 @@ fn a_killed_pipeline_rank_fails_the_job() {
     let dir = run_dir("killed");
     let mut train_args = base_args(&dir);
     train_args.extend(["--pp", "2", "--set", "train.max_steps=100000"].map(String::from));
-    let (out, waited) = launch_and_kill(&dir, 2, 29671, train_args, 1);
-    assert!(!out.status.success(), "{}", text(&out));
-    // Either the launcher sees the SIGKILL first, or rank 0 fails first naming its lost peer.
-    let out = text(&out);
-    assert!(
-        out.contains("rank 1") && (out.contains("SIGKILL") || out.contains("rank 1 is gone")),
-        "{out}"
-    );
-    assert!(
-        waited < Duration::from_secs(30),
-        "took {waited:?} after the kill"
-    );
+    assert_killed_rank_fails_the_job(&dir, 2, 29671, train_args, 1);
 }

@@ -195,14 +195,15 @@ pub fn child_with_rank(launcher: u32, rank: usize) -> Option<u32> {
 
 /// Starts `wildfire launch --nproc-per-node ranks -- wildfire <train_args>` with a 60 s
 /// communication deadline, SIGKILLs rank `victim` once two steps are logged in `dir`, and
-/// returns the job's output and how long it took to end after the kill.
-pub fn launch_and_kill(
+/// asserts that the job fails naming the victim well within the deadline (30 s): either the
+/// launcher sees the SIGKILL first, or a peer fails first naming its lost rank.
+pub fn assert_killed_rank_fails_the_job(
     dir: &Path,
     ranks: usize,
     port: u16,
     train_args: Vec<String>,
     victim: usize,
-) -> (Output, Duration) {
+) {
     let mut args: Vec<String> = vec![
         "launch".into(),
         "--nproc-per-node".into(),
@@ -230,7 +231,19 @@ pub fn launch_and_kill(
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     let killed = Instant::now();
     let out = finish(launcher, LIMIT);
-    (out, killed.elapsed())
+    let waited = killed.elapsed();
+    assert!(!out.status.success(), "{}", text(&out));
+    let out = text(&out);
+    let named = format!("rank {victim}");
+    assert!(
+        out.contains(&named)
+            && (out.contains("SIGKILL") || out.contains(&format!("{named} is gone"))),
+        "{out}"
+    );
+    assert!(
+        waited < Duration::from_secs(30),
+        "took {waited:?} after the kill"
+    );
 }
 
 pub fn records_if_any(dir: &Path) -> usize {
