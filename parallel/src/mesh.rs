@@ -60,6 +60,16 @@ pub enum MeshError {
          pipeline parallelism"
     )]
     ZeroWithPipeline { pp: usize },
+    #[error(
+        "tensor parallelism splits attention by heads, but {heads} heads do not divide by tp \
+         {tp}: choose a tp that divides {heads}"
+    )]
+    Heads { heads: usize, tp: usize },
+    #[error(
+        "sequence parallelism splits the sequence, but length {seq} does not divide by tp {tp}: \
+         choose a context that is a multiple of {tp}"
+    )]
+    Sequence { seq: usize, tp: usize },
     #[error("{0}")]
     Partition(#[from] PartitionError),
     #[error("{0}")]
@@ -104,6 +114,25 @@ impl ParallelDims {
                 value: self.tp,
                 why: "tensor parallelism is not implemented yet",
             });
+        }
+        Ok(())
+    }
+
+    /// Checks tensor parallelism against the model: the heads (and, under sequence
+    /// parallelism, the sequence length) must divide by `tp`. The vocabulary need not: the
+    /// vocabulary-parallel layers split it unevenly (`split_ranges`), without padding.
+    pub fn check_tensor_parallel(
+        &self,
+        heads: usize,
+        seq: usize,
+        sequence_parallel: bool,
+    ) -> Result<(), MeshError> {
+        let tp = self.tp;
+        if !heads.is_multiple_of(tp) {
+            return Err(MeshError::Heads { heads, tp });
+        }
+        if sequence_parallel && !seq.is_multiple_of(tp) {
+            return Err(MeshError::Sequence { seq, tp });
         }
         Ok(())
     }
@@ -210,6 +239,31 @@ mod tests {
             "tp = 2 is not supported yet (only 1): tensor parallelism is not implemented yet"
         );
         assert!(ParallelDims { dp: 2, ..dims }.validate(8).is_ok());
+    }
+
+    #[test]
+    fn tensor_parallelism_needs_heads_and_sequence_divisible() {
+        let dims = ParallelDims {
+            dp: 1,
+            tp: 4,
+            pp: 1,
+        };
+        assert!(dims.check_tensor_parallel(12, 128, true).is_ok());
+        assert_eq!(
+            dims.check_tensor_parallel(6, 128, false)
+                .unwrap_err()
+                .to_string(),
+            "tensor parallelism splits attention by heads, but 6 heads do not divide by tp 4: \
+             choose a tp that divides 6"
+        );
+        assert!(dims.check_tensor_parallel(12, 130, false).is_ok());
+        assert_eq!(
+            dims.check_tensor_parallel(12, 130, true)
+                .unwrap_err()
+                .to_string(),
+            "sequence parallelism splits the sequence, but length 130 does not divide by tp 4: \
+             choose a context that is a multiple of 4"
+        );
     }
 
     #[test]

@@ -1,0 +1,375 @@
+//! Tensor-parallel layers against their serial counterparts on `Autodiff<Parallel<Flex>>`, ranks
+//! as threads (2 and 4, with sizes that do not divide by them): forward outputs and the
+//! gradients of inputs and weights.
+//!
+//! Exactness: a column-parallel output element and a weight-gradient element are the serial
+//! layer's own dot products, so they are bitwise equal; the input gradient of a column-parallel
+//! layer and the output of a row-parallel one are sums over ranks of partial dot products, a
+//! different summation order: bitwise on integer-valued data (every partial sum exact), within
+//! 1e-6 of the largest value on float data (the f32 rounding of a handful of terms). The
+//! vocabulary-parallel cross-entropy sums `exp` per rank, then over ranks: within 1e-6.
+
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::activation::gelu;
+use burn::tensor::{Int, Tensor, TensorData};
+use wildfire_backend::Parallel;
+use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup, split_ranges};
+use wildfire_parallel::tp::{
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+};
+
+type B = Autodiff<Parallel<Flex>>;
+
+fn values(seed: u64, n: usize, integer: bool) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state % 2001) as f32 / 1000.0 - 1.0;
+            if integer { (unit * 3.0).round() } else { unit }
+        })
+        .collect()
+}
+
+fn tensor<const D: usize>(seed: u64, shape: [usize; D], integer: bool) -> Tensor<B, D> {
+    let n = shape.iter().product();
+    Tensor::from_data(
+        TensorData::new(values(seed, n, integer), shape),
+        &Default::default(),
+    )
+}
+
+fn data<BB: burn::tensor::backend::Backend, const D: usize>(t: Tensor<BB, D>) -> Vec<f32> {
+    t.into_data().to_vec().unwrap()
+}
+
+/// One thread world at a time: Burn 0.21's autodiff registry is shared by the threads of a
+/// process, and a rank cleaning it up after a backward pass can block on a graph whose rank
+/// waits in a collective (see `wildfire_backend::collective`); the tests of this file run in
+/// parallel threads otherwise.
+static ONE_WORLD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `body` on every rank of a thread world (a collective waits 30 s at most), then a
+/// barrier (thread ranks must meet between backward passes).
+fn threads<T: Send + 'static>(
+    ranks: usize,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let _one = ONE_WORLD.lock().unwrap_or_else(|p| p.into_inner());
+    let options = CommOptions {
+        timeout: Duration::from_secs(30),
+        debug: true,
+    };
+    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
+        .unwrap()
+        .into_iter()
+        .map(|group| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let out = body(group.clone());
+                group.barrier().unwrap();
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// A copy of `t` with its own autodiff node: clones share one, and ranks that made the same
+/// node a leaf would share (and lock) one graph.
+fn fresh<const D: usize>(t: &Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_data(t.to_data(), &Default::default())
+}
+
+fn assert_close(a: &[f32], b: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tolerance * scale,
+            "{what}[{i}]: {x} vs {y}"
+        );
+    }
+}
+
+/// Columns `cols` of a row-major `[rows, width]` matrix.
+fn columns(m: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
+    m.chunks(width)
+        .flat_map(|row| row[cols.clone()].to_vec())
+        .collect()
+}
+
+const N_IN: usize = 6;
+/// A fused QKV-like output: 3 sections of 5 columns (5 does not divide by 2 or 4).
+const SECTION: usize = 5;
+
+/// Serial `y = xW + b` and the gradients of `Σ y·c`: (y, dx, dW, db).
+fn serial_linear(
+    x: &Tensor<B, 3>,
+    w: &Tensor<B, 2>,
+    b: &Tensor<B, 1>,
+    c: &Tensor<B, 3>,
+) -> [Vec<f32>; 4] {
+    let (x, w, b) = (
+        x.clone().require_grad(),
+        w.clone().require_grad(),
+        b.clone().require_grad(),
+    );
+    let y = x.clone().matmul(w.clone().unsqueeze()) + b.clone().unsqueeze();
+    let grads = (y.clone() * c.clone()).sum().backward();
+    [
+        data(y),
+        data(x.grad(&grads).unwrap()),
+        data(w.grad(&grads).unwrap()),
+        data(b.grad(&grads).unwrap()),
+    ]
+}
+
+/// The output columns rank `rank` of `ranks` computes: its part of each of `sections` equal
+/// column blocks of `n_out`.
+fn column_part(n_out: usize, sections: usize, rank: usize, ranks: usize) -> Vec<usize> {
+    let width = n_out / sections;
+    let part = split_ranges(width, ranks)[rank].clone();
+    (0..sections)
+        .flat_map(|s| s * width + part.start..s * width + part.end)
+        .collect()
+}
+
+/// Elements `cols` of every row of a row-major matrix of `width` columns.
+fn pick(m: &[f32], width: usize, cols: &[usize]) -> Vec<f32> {
+    m.chunks(width)
+        .flat_map(|row| cols.iter().map(|&c| row[c]))
+        .collect()
+}
+
+/// With the output gathered (one section of 15 columns) and left split (3 sections of 5, as a
+/// fused QKV projection is); 15 and 5 do not divide by 2 or 4.
+#[test]
+fn column_parallel_matches_the_serial_layer() {
+    let n_out = 3 * SECTION;
+    for integer in [true, false] {
+        let x = tensor(1, [2, 3, N_IN], integer);
+        let w = tensor(2, [N_IN, n_out], integer);
+        let b = tensor(3, [n_out], integer);
+        let c = tensor(4, [2, 3, n_out], integer);
+        let [y, dx, dw, db] = serial_linear(&x, &w, &b, &c);
+        for (ranks, sections, gather) in [(2, 1, true), (4, 1, true), (2, 3, false), (4, 3, false)]
+        {
+            let (x, w, b, c) = (x.clone(), w.clone(), b.clone(), c.clone());
+            let results = threads(ranks, move |group| {
+                let layer = ColumnParallelLinear::from_full(
+                    w.clone(),
+                    Some(b.clone()),
+                    sections,
+                    &group,
+                    gather,
+                );
+                let x = fresh(&x).require_grad();
+                let y = layer.forward(x.clone()).unwrap();
+                // Gathered, every rank scores all columns: the gather's backward keeps each rank's
+                // own part of the gradient, so the replicated loss counts once. Split, each rank
+                // scores its own columns.
+                let cols = column_part(n_out, sections, group.rank(), ranks);
+                let c = if gather {
+                    c.clone()
+                } else {
+                    let parts: Vec<_> = cols
+                        .iter()
+                        .map(|&col| c.clone().slice([0..2, 0..3, col..col + 1]))
+                        .collect();
+                    Tensor::cat(parts, 2)
+                };
+                let grads = (y.clone() * c).sum().backward();
+                let dw = layer.weight.val().grad(&grads).unwrap();
+                let db = layer.bias.as_ref().unwrap().val().grad(&grads).unwrap();
+                (
+                    data(y),
+                    data(x.grad(&grads).unwrap()),
+                    data(dw),
+                    data(db),
+                    cols,
+                )
+            });
+            for (y_r, dx_r, dw_r, db_r, cols) in results {
+                let what = format!(
+                    "column tp {ranks}, {sections} sections, integer {integer}, columns {cols:?}"
+                );
+                let expected_y = if gather {
+                    y.clone()
+                } else {
+                    pick(&y, n_out, &cols)
+                };
+                assert_eq!(y_r, expected_y, "{what}: output");
+                assert_eq!(dw_r, pick(&dw, n_out, &cols), "{what}: weight gradient");
+                assert_eq!(db_r, pick(&db, n_out, &cols), "{what}: bias gradient");
+                if integer {
+                    assert_eq!(dx_r, dx, "{what}: input gradient");
+                } else {
+                    assert_close(&dx_r, &dx, 1e-6, &format!("{what}: input gradient"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn row_parallel_matches_the_serial_layer() {
+    let n_in = 7;
+    for integer in [true, false] {
+        let x = tensor(5, [2, 3, n_in], integer);
+        let w = tensor(6, [n_in, 4], integer);
+        let b = tensor(7, [4], integer);
+        let c = tensor(8, [2, 3, 4], integer);
+        let [y, dx, dw, db] = serial_linear(&x, &w, &b, &c);
+        for ranks in [2, 4] {
+            let (x, w, b, c) = (x.clone(), w.clone(), b.clone(), c.clone());
+            let results = threads(ranks, move |group| {
+                let layer = RowParallelLinear::from_full(fresh(&w), Some(fresh(&b)), &group);
+                let cols = split_ranges(n_in, group.size())[group.rank()].clone();
+                let x_r = x.clone().slice([0..2, 0..3, cols]).require_grad();
+                let y = layer.forward(x_r.clone()).unwrap();
+                let grads = (y.clone() * c.clone()).sum().backward();
+                let dw = layer.weight.val().grad(&grads).unwrap();
+                let db = layer.bias.as_ref().unwrap().val().grad(&grads).unwrap();
+                (
+                    data(y),
+                    data(x_r.grad(&grads).unwrap()),
+                    data(dw),
+                    data(db),
+                    group.rank(),
+                )
+            });
+            for (y_r, dx_r, dw_r, db_r, rank) in results {
+                let what = format!("row tp {ranks} rank {rank} integer {integer}");
+                if integer {
+                    assert_eq!(y_r, y, "{what}: output");
+                } else {
+                    assert_close(&y_r, &y, 1e-6, &format!("{what}: output"));
+                }
+                let rows = split_ranges(n_in, ranks)[rank].clone();
+                assert_eq!(
+                    dw_r,
+                    dw[rows.start * 4..rows.end * 4].to_vec(),
+                    "{what}: weight gradient"
+                );
+                assert_eq!(dx_r, columns(&dx, n_in, rows), "{what}: input gradient");
+                assert_eq!(db_r, db, "{what}: bias gradient");
+            }
+        }
+    }
+}
+
+#[test]
+fn vocab_parallel_embedding_matches_the_serial_table() {
+    let vocab = 11;
+    let table = tensor(9, [vocab, 4], false);
+    let ids: Tensor<B, 2, Int> = Tensor::from_data(
+        TensorData::new(
+            (0..12).map(|i| (i * 5 % vocab) as i64).collect::<Vec<_>>(),
+            [2, 6],
+        ),
+        &Default::default(),
+    );
+    let c = tensor(10, [2, 6, 4], false);
+    let serial_table = table.clone().require_grad();
+    let serial = burn::tensor::module::embedding(serial_table.clone(), ids.clone());
+    let grads = (serial.clone() * c.clone()).sum().backward();
+    let (y, dt) = (data(serial), data(serial_table.grad(&grads).unwrap()));
+    for ranks in [2, 4] {
+        let (table, ids, c) = (table.clone(), ids.clone(), c.clone());
+        let results = threads(ranks, move |group| {
+            let layer = VocabParallelEmbedding::from_full(table.clone(), &group);
+            let out = layer.forward(ids.clone()).unwrap();
+            let grads = (out.clone() * c.clone()).sum().backward();
+            (
+                data(out),
+                data(layer.weight.val().grad(&grads).unwrap()),
+                group.rank(),
+            )
+        });
+        for (y_r, dt_r, rank) in results {
+            assert_eq!(y_r, y, "tp {ranks} rank {rank}: lookups");
+            let rows = split_ranges(vocab, ranks)[rank].clone();
+            assert_eq!(
+                dt_r,
+                dt[rows.start * 4..rows.end * 4].to_vec(),
+                "tp {ranks} rank {rank}: rows' gradient"
+            );
+        }
+    }
+}
+
+#[test]
+fn vocab_parallel_cross_entropy_matches_the_serial_loss() {
+    let vocab = 11;
+    let logits = tensor(11, [2, 5, vocab], false).mul_scalar(4.0);
+    let targets: Tensor<B, 2, Int> = Tensor::from_data(
+        TensorData::new(
+            (0..10).map(|i| (i * 7 % vocab) as i64).collect::<Vec<_>>(),
+            [2, 5],
+        ),
+        &Default::default(),
+    );
+    let serial_logits = logits.clone().require_grad();
+    let mean = CrossEntropyLossConfig::new()
+        .init(&Default::default())
+        .forward(
+            serial_logits.clone().reshape([10, vocab]),
+            targets.clone().reshape([10]),
+        );
+    let serial = mean.mul_scalar(10.0);
+    let grads = serial.clone().backward();
+    let (loss, dl) = (data(serial), data(serial_logits.grad(&grads).unwrap()));
+    for ranks in [2, 4] {
+        let (logits, targets) = (logits.clone(), targets.clone());
+        let results = threads(ranks, move |group| {
+            let cols = split_ranges(vocab, group.size())[group.rank()].clone();
+            let part = logits
+                .clone()
+                .slice([0..2, 0..5, cols.clone()])
+                .require_grad();
+            let loss =
+                vocab_parallel_cross_entropy(part.clone(), targets.clone(), cols.start, &group)
+                    .unwrap();
+            let grads = loss.clone().backward();
+            (data(loss), data(part.grad(&grads).unwrap()), cols)
+        });
+        for (loss_r, dl_r, cols) in results {
+            let what = format!("tp {ranks} columns {cols:?}");
+            assert_close(&loss_r, &loss, 1e-6, &format!("{what}: loss"));
+            assert_close(
+                &dl_r,
+                &columns(&dl, vocab, cols.clone()),
+                1e-6,
+                &format!("{what}: logit gradient"),
+            );
+        }
+    }
+}
+
+/// A column-parallel layer (output left split), GELU, a row-parallel layer: one all-reduce
+/// forward (after the row-parallel layer) and one backward (the column-parallel input's
+/// gradient), as Megatron's analysis of a tensor-parallel MLP says.
+#[test]
+fn a_parallel_mlp_issues_one_all_reduce_each_way() {
+    let x = tensor(12, [2, 3, 4], false);
+    let w1 = tensor(13, [4, 10], false);
+    let w2 = tensor(14, [10, 4], false);
+    let counts = threads(2, move |group| {
+        let up = ColumnParallelLinear::from_full(w1.clone(), None, 1, &group, false);
+        let down = RowParallelLinear::from_full(fresh(&w2), None, &group);
+        let x = fresh(&x).require_grad();
+        let before = group.op_count(OpKind::AllReduce);
+        let y = down.forward(gelu(up.forward(x.clone()).unwrap())).unwrap();
+        let forward = group.op_count(OpKind::AllReduce) - before;
+        let _grads = y.sum().backward();
+        let backward = group.op_count(OpKind::AllReduce) - before - forward;
+        (forward, backward)
+    });
+    assert_eq!(counts, [(1, 1), (1, 1)]);
+}
