@@ -12,15 +12,20 @@
 //!
 //! Notation: `Y = XA + b` with `X: [.., n_in]`, `A: [n_in, n_out]` (Burn's `Linear` layout).
 //!
-//! Sequence parallelism is not here yet: the input of a column-parallel layer is replicated
-//! (Megatron's `f`) and the output of a row-parallel layer is all-reduced (`g`).
+//! **Sequence parallelism** (Megatron-LM's SP, for activations `[batch, seq, features]`): between
+//! a row-parallel layer and the next column-parallel one (LayerNorm, dropout, residual adds) each
+//! rank holds part `r` of the sequence instead of the whole. A column-parallel layer then
+//! all-gathers its input along the sequence (backward: reduce-scatter of the gradient) instead
+//! of `f`, and a row-parallel layer reduce-scatters its output along the sequence (backward:
+//! all-gather) instead of `g`'s all-reduce. The communicated volume is the same (an all-reduce
+//! is a reduce-scatter and an all-gather); the activations between the layers shrink `p`-fold.
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use wildfire_backend::collective::{
-    self, CollectiveBackend, copy_to_parallel_region, gather_from_parallel_region,
-    reduce_from_parallel_region,
+    self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
+    gather_from_parallel_region, reduce_from_parallel_region, reduce_scatter_to_sequence_region,
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
 
@@ -38,6 +43,9 @@ pub struct ColumnParallelLinear<B: Backend> {
     pub group: Option<ProcessGroup>,
     #[module(skip)]
     pub gather_output: bool,
+    /// The input is split along the sequence (dimension 1) and gathered here.
+    #[module(skip)]
+    pub sequence_parallel: bool,
 }
 
 /// `A = [A_1; …; A_p]` split by input rows, with `X = [X_1 … X_p]` split alike: rank `r`
@@ -51,6 +59,9 @@ pub struct RowParallelLinear<B: Backend> {
     pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     pub group: Option<ProcessGroup>,
+    /// The output is reduce-scattered along the sequence (dimension 1) instead of all-reduced.
+    #[module(skip)]
+    pub sequence_parallel: bool,
 }
 
 /// An embedding table `E: [V, d]` split by vocabulary rows: rank `r` holds rows `[s_r, e_r)`,
@@ -113,12 +124,25 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
             bias,
             group: Some(group.clone()),
             gather_output,
+            sequence_parallel: false,
+        }
+    }
+
+    /// The same layer taking its input split along the sequence (see the module doc).
+    pub fn with_sequence_parallel(self, on: bool) -> Self {
+        Self {
+            sequence_parallel: on,
+            ..self
         }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, CommError> {
         let group = group_of(&self.group);
-        let x = copy_to_parallel_region(x, group)?;
+        let x = if self.sequence_parallel {
+            all_gather_from_sequence_region(x, group, 1)?
+        } else {
+            copy_to_parallel_region(x, group)?
+        };
         let mut y = x.matmul(self.weight.val().unsqueeze());
         if let Some(bias) = &self.bias {
             y = y + bias.val().unsqueeze();
@@ -143,13 +167,27 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
             weight: Param::from_tensor(weight.slice([rows, 0..n_out])),
             bias: bias.map(Param::from_tensor),
             group: Some(group.clone()),
+            sequence_parallel: false,
+        }
+    }
+
+    /// The same layer leaving its output split along the sequence (see the module doc).
+    pub fn with_sequence_parallel(self, on: bool) -> Self {
+        Self {
+            sequence_parallel: on,
+            ..self
         }
     }
 
     /// `x` is this rank's input columns (`[.., n_in/p]`, e.g. a column-parallel output).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, CommError> {
         let partial = x.matmul(self.weight.val().unsqueeze());
-        let mut y = reduce_from_parallel_region(partial, group_of(&self.group))?;
+        let group = group_of(&self.group);
+        let mut y = if self.sequence_parallel {
+            reduce_scatter_to_sequence_region(partial, group, 1)?
+        } else {
+            reduce_from_parallel_region(partial, group)?
+        };
         if let Some(bias) = &self.bias {
             y = y + bias.val().unsqueeze();
         }

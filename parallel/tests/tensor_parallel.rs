@@ -352,6 +352,79 @@ fn vocab_parallel_cross_entropy_matches_the_serial_loss() {
     }
 }
 
+/// Rows `rows` of dimension 1 of a `[batch, seq, width]` tensor (row-major values).
+fn sequence_part(m: &[f32], seq: usize, width: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
+    m.chunks(seq * width)
+        .flat_map(|batch| batch[rows.start * width..rows.end * width].to_vec())
+        .collect()
+}
+
+/// Collectives issued so far: [all-gather, reduce-scatter, all-reduce].
+fn counts(group: &ProcessGroup) -> [u64; 3] {
+    [OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce].map(|op| group.op_count(op))
+}
+
+fn since(now: [u64; 3], before: [u64; 3]) -> [u64; 3] {
+    [now[0] - before[0], now[1] - before[1], now[2] - before[2]]
+}
+
+/// Under sequence parallelism (sequence 5, split unevenly), a column-parallel layer takes its
+/// part of the sequence and a row-parallel layer leaves its part: a column-then-row pair equals
+/// the serial pair on each rank's part of the sequence, the input's gradient is the serial
+/// one's part (integer data: bitwise), and the pair issues an all-gather and a reduce-scatter
+/// each way, no all-reduce.
+#[test]
+fn sequence_parallel_layers_match_the_serial_pair() {
+    let seq = 5;
+    let x = tensor(20, [2, seq, 4], true);
+    let w1 = tensor(21, [4, 6], true);
+    let w2 = tensor(22, [6, 4], true);
+    let b2 = tensor(23, [4], true);
+    let c = tensor(24, [2, seq, 4], true);
+    let serial_x = x.clone().require_grad();
+    let y = serial_x
+        .clone()
+        .matmul(w1.clone().unsqueeze())
+        .matmul(w2.clone().unsqueeze())
+        + b2.clone().unsqueeze();
+    let grads = (y.clone() * c.clone()).sum().backward();
+    let (y, dx) = (data(y), data(serial_x.grad(&grads).unwrap()));
+    for ranks in [2, 4] {
+        let (x, w1, w2, b2, c) = (x.clone(), w1.clone(), w2.clone(), b2.clone(), c.clone());
+        let results = threads(ranks, move |group| {
+            let rows = split_ranges(seq, group.size())[group.rank()].clone();
+            let up = ColumnParallelLinear::from_full(fresh(&w1), None, 1, &group, false)
+                .with_sequence_parallel(true);
+            let down = RowParallelLinear::from_full(fresh(&w2), Some(fresh(&b2)), &group)
+                .with_sequence_parallel(true);
+            let x_r = x.clone().slice([0..2, rows.clone(), 0..4]).require_grad();
+            let before = counts(&group);
+            let y_r = down.forward(up.forward(x_r.clone()).unwrap()).unwrap();
+            let forward = counts(&group);
+            let c_r = c.clone().slice([0..2, rows.clone(), 0..4]);
+            let grads = (y_r.clone() * c_r).sum().backward();
+            let backward = since(counts(&group), forward);
+            let dx_r = data(x_r.grad(&grads).unwrap());
+            (data(y_r), dx_r, rows, since(forward, before), backward)
+        });
+        for (y_r, dx_r, rows, forward, backward) in results {
+            let what = format!("sp tp {ranks} rows {rows:?}");
+            assert_eq!(
+                y_r,
+                sequence_part(&y, seq, 4, rows.clone()),
+                "{what}: output"
+            );
+            assert_eq!(
+                dx_r,
+                sequence_part(&dx, seq, 4, rows),
+                "{what}: input gradient"
+            );
+            assert_eq!(forward, [1, 1, 0], "{what}: forward collectives");
+            assert_eq!(backward, [1, 1, 0], "{what}: backward collectives");
+        }
+    }
+}
+
 /// A column-parallel layer (output left split), GELU, a row-parallel layer: one all-reduce
 /// forward (after the row-parallel layer) and one backward (the column-parallel input's
 /// gradient), as Megatron's analysis of a tensor-parallel MLP says.
