@@ -16,15 +16,15 @@
 //! ```
 //!
 //! So each unit's parameters are gathered twice per step (the last unit's once) and its
-//! gradients reduce-scattered once; at most one unit is whole at a time, and the activations kept between forward and
-//! backward are the units' inputs (the recomputation is the price, as with full activation
-//! checkpointing). Summing the micro-batches locally before reducing is DDP's order, so a stage-3
-//! step equals a DDP step bitwise. Recomputation repeats the forward bitwise, so dropout masks must
-//! not change between the two (the recipe reseeds its RNG per step and uses dropout 0 by
-//! default; see the guide).
+//! gradients reduce-scattered once; at most one unit is whole at a time, and the activations
+//! kept between forward and backward are the units' inputs (the recomputation is the price, as
+//! with full activation checkpointing). Summing the micro-batches locally before reducing is
+//! DDP's order, so a stage-3 step equals a DDP step bitwise. The recomputation must repeat the
+//! forward exactly, so the units may not draw random numbers (the recipe refuses ZeRO 3 with
+//! dropout).
 //!
-//! A unit's module is a skeleton: its parameters are placeholders ([`Placeholders`]) that
-//! [`Materialize`] replaces by the gathered values, keeping each parameter's id, so the unit's
+//! A unit's module is a skeleton: its parameters are placeholders ([`Placeholders`]) that are
+//! replaced by the gathered values (`Materialize`), keeping each parameter's id, so the unit's
 //! gradients are found by id in the layout.
 
 use std::collections::HashMap;
