@@ -3,8 +3,9 @@
 //! DDP, every rank's shard is the matching slice of the full parameter and gradient, and the
 //! sharded gradient norm is the full one. Each collective fails after 30 s instead of hanging.
 
+mod common;
+
 use std::collections::HashMap;
-use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module, Param, ParamId};
@@ -12,7 +13,8 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use wildfire_backend::comm::{CommOptions, HostTensor, ProcessGroup, ReduceOp, split_ranges};
+use common::{assert_close, threads, values};
+use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
 use wildfire_parallel::pp::PipelineChunk;
@@ -46,19 +48,6 @@ struct Batch<B: Backend> {
     t: Tensor<B, 3>,
     u: Tensor<B, 3>,
     scale: f64,
-}
-
-fn values(seed: u64, n: usize, integer: bool) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state % 2001) as f32 / 1000.0 - 1.0;
-            if integer { (unit * 4.0).round() } else { unit }
-        })
-        .collect()
 }
 
 fn tensor<B: Backend, const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tensor<B, D> {
@@ -177,25 +166,6 @@ fn serial(linear: bool) -> Vec<HashMap<ParamId, Vec<f32>>> {
         .collect()
 }
 
-fn threads<T: Send + 'static>(
-    ranks: usize,
-    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
-) -> Vec<T> {
-    let options = CommOptions {
-        timeout: Duration::from_secs(30),
-        debug: true,
-    };
-    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
-        .unwrap()
-        .into_iter()
-        .map(|group| {
-            let body = body.clone();
-            std::thread::spawn(move || body(group))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 fn rows_of(rank: usize, ranks: usize) -> std::ops::Range<usize> {
     let per = ROWS / ranks;
     rank * per..(rank + 1) * per
@@ -224,16 +194,6 @@ fn ddp(ranks: usize, linear: bool) -> Vec<Vec<HashMap<ParamId, Vec<f32>>>> {
             })
             .collect()
     })
-}
-
-fn assert_close(a: &[f32], b: &[f32], tolerance: f32, what: &str) {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tolerance * scale,
-            "{what}[{i}]: {x} vs {y} (tolerance {tolerance} × {scale})"
-        );
-    }
 }
 
 #[test]

@@ -9,32 +9,20 @@
 //! 1e-6 of the largest value on float data (the f32 rounding of a handful of terms). The
 //! vocabulary-parallel cross-entropy sums `exp` per rank, then over ranks: within 1e-6.
 
-use std::time::Duration;
+mod common;
 
 use burn::backend::{Autodiff, Flex};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Int, Tensor, TensorData};
+use common::{assert_close, threads, values};
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup, split_ranges};
+use wildfire_backend::comm::{OpKind, ProcessGroup, split_ranges};
 use wildfire_parallel::tp::{
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
 
 type B = Autodiff<Parallel<Flex>>;
-
-fn values(seed: u64, n: usize, integer: bool) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state % 2001) as f32 / 1000.0 - 1.0;
-            if integer { (unit * 3.0).round() } else { unit }
-        })
-        .collect()
-}
 
 fn tensor<const D: usize>(seed: u64, shape: [usize; D], integer: bool) -> Tensor<B, D> {
     let n = shape.iter().product();
@@ -48,53 +36,10 @@ fn data<BB: burn::tensor::backend::Backend, const D: usize>(t: Tensor<BB, D>) ->
     t.into_data().to_vec().unwrap()
 }
 
-/// One thread world at a time: Burn 0.21's autodiff registry is shared by the threads of a
-/// process, and a rank cleaning it up after a backward pass can block on a graph whose rank
-/// waits in a collective (see `wildfire_backend::collective`); the tests of this file run in
-/// parallel threads otherwise.
-static ONE_WORLD: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// Runs `body` on every rank of a thread world (a collective waits 30 s at most), then a
-/// barrier (thread ranks must meet between backward passes).
-fn threads<T: Send + 'static>(
-    ranks: usize,
-    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
-) -> Vec<T> {
-    let _one = ONE_WORLD.lock().unwrap_or_else(|p| p.into_inner());
-    let options = CommOptions {
-        timeout: Duration::from_secs(30),
-        debug: true,
-    };
-    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
-        .unwrap()
-        .into_iter()
-        .map(|group| {
-            let body = body.clone();
-            std::thread::spawn(move || {
-                let out = body(group.clone());
-                group.barrier().unwrap();
-                out
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
 /// A copy of `t` with its own autodiff node: clones share one, and ranks that made the same
 /// node a leaf would share (and lock) one graph.
 fn fresh<const D: usize>(t: &Tensor<B, D>) -> Tensor<B, D> {
     Tensor::from_data(t.to_data(), &Default::default())
-}
-
-fn assert_close(a: &[f32], b: &[f32], tolerance: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tolerance * scale,
-            "{what}[{i}]: {x} vs {y}"
-        );
-    }
 }
 
 /// Columns `cols` of a row-major `[rows, width]` matrix.
