@@ -2,6 +2,7 @@
 //! bare backend and through the decorator, alternating in rounds so that both see the same
 //! machine noise; the report is the median over rounds of decorated time / bare time.
 
+use crate::median;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, Flex};
@@ -69,11 +70,6 @@ fn time_training<B: AutodiffBackend>(iters: usize) -> f64 {
     start.elapsed().as_secs_f64()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn compare(
     mix: &'static str,
     rounds: usize,
@@ -101,7 +97,7 @@ fn compare(
         mix,
         bare_s: bare_total / rounds as f64,
         decorated_s: decorated_total / rounds as f64,
-        ratio: median(ratios),
+        ratio: median(&mut ratios),
     }
 }
 

@@ -5,6 +5,7 @@
 //! all-reduce. Every configuration runs in its own process (the thread pool is sized once per
 //! process).
 
+use crate::median;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -169,11 +170,6 @@ pub fn run(args: DpArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 /// Median tokens/s and step time after warm-up, and Σ comm / Σ step time, from metrics.jsonl.

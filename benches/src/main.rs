@@ -11,6 +11,17 @@ mod train_profile;
 
 use clap::{Parser, Subcommand};
 
+/// The middle value of `values` (the upper middle for an even count); sorts them.
+pub(crate) fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Bytes in MiB.
+pub(crate) fn mib(bytes: usize) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "wildfire-benches",

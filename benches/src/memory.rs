@@ -4,6 +4,7 @@
 //! accounting; then the peak heap of a few training steps of the tiny model at dp = 2 (ranks as
 //! threads) per stage.
 
+use crate::mib;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -206,10 +207,6 @@ fn step_peaks() -> anyhow::Result<Vec<StepRow>> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(rows)
-}
-
-fn mib(bytes: usize) -> f64 {
-    bytes as f64 / f64::from(1 << 20)
 }
 
 fn print_states(rows: &[StateRow], json: bool) -> anyhow::Result<()> {

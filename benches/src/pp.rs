@@ -13,6 +13,7 @@
 //! The bubble of a rank is its idle share of the step: 1 − (time in forwards and backwards) /
 //! (step time); the tables give the mean over ranks and over the measured steps.
 
+use crate::mib;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -184,7 +185,7 @@ fn report(
         let mib: Vec<String> = measured
             .heap_growth
             .iter()
-            .map(|b| format!("{:.1} MiB", *b as f64 / f64::from(1 << 20)))
+            .map(|b| format!("{:.1} MiB", mib(*b)))
             .collect();
         row.push_str(&format!(" {} |", mib.join(", ")));
     }

@@ -4,6 +4,7 @@
 //! thread pool is sized once per process); with `--pytorch`, the PyTorch eager reference
 //! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side.
 
+use crate::median;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
@@ -61,11 +62,6 @@ struct Sample {
     backward_ms: Option<f64>,
     optimizer_ms: Option<f64>,
     tokens_per_sec: f64,
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 fn train_config() -> TrainSection {

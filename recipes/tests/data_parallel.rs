@@ -58,29 +58,6 @@ fn params_by_step(dir: &Path) -> BTreeMap<u64, BTreeMap<String, TensorData>> {
         .collect()
 }
 
-/// The largest parameter difference relative to the tensor's largest value, and where.
-fn max_relative_difference(
-    a: &BTreeMap<String, TensorData>,
-    b: &BTreeMap<String, TensorData>,
-) -> (f32, String) {
-    let mut worst = (0.0, String::new());
-    for (name, x) in a {
-        let x: Vec<f32> = x.to_vec().expect("f32");
-        let y: Vec<f32> = b[name].to_vec().expect("f32");
-        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-            if is_key_bias(name, i, x.len()) {
-                continue;
-            }
-            let rel = (p - q).abs() / scale;
-            if rel > worst.0 {
-                worst = (rel, format!("{name}[{i}]: {p} vs {q}"));
-            }
-        }
-    }
-    worst
-}
-
 /// Losses at every step within 1e-6 relative, parameters after every step within `tolerance`
 /// (relative to each tensor's largest value; 0 asks for bitwise equality, losses included).
 fn assert_same_training(reference: &Path, run: &Path, what: &str, tolerance: f32) {

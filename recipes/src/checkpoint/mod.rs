@@ -425,6 +425,19 @@ impl Loaded {
         Ok(GptChunks { chunks })
     }
 
+    /// The moment `prefix` (`EXP_AVG` or `EXP_AVG_SQ`) of the parameter stored as `stored`, in
+    /// the parameter's `shape` (a flattened moment of as many elements is reshaped).
+    fn moment<B: Backend, const D: usize>(
+        &self,
+        prefix: &str,
+        stored: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Option<Tensor<B, D>> {
+        let data = self.moments.get(&format!("{prefix}{stored}"))?;
+        Some(Tensor::from_data(shaped(data, &shape)?, device))
+    }
+
     /// The moments of every parameter of `model` that has them, flat, by id (to restore a
     /// sharded optimizer from). The tied copy's are the embedding's.
     pub fn moments_by_id<B: AutodiffBackend>(
@@ -443,15 +456,13 @@ impl Loaded {
                     return;
                 };
                 let value = param.val().inner();
-                let (device, numel) = (value.device(), value.shape().num_elements());
-                // Flattened, and only with the parameter's element count.
+                let (device, shape) = (value.device(), value.dims());
+                let numel = value.shape().num_elements();
                 let take = |prefix: &str| {
-                    let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
-                    let numbers = data.shape.iter().product::<usize>();
-                    let flat = (numbers == numel).then(|| {
-                        TensorData::from_bytes_vec(data.as_bytes().to_vec(), [numel], data.dtype)
-                    })?;
-                    Some(Tensor::<B::InnerBackend, 1>::from_data(flat, &device))
+                    let moment = self
+                        .loaded
+                        .moment::<B::InnerBackend, D>(prefix, stored, shape, &device);
+                    moment.map(|m| m.reshape([numel]))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(exp_avg), Some(exp_avg_sq)) => {
@@ -505,11 +516,7 @@ impl Loaded {
                 };
                 let value = param.val().inner();
                 let (device, shape) = (value.device(), value.dims());
-                let take = |prefix: &str| {
-                    let data = self.loaded.moments.get(&format!("{prefix}{stored}"))?;
-                    let data = shaped(data, &shape)?;
-                    Some(Tensor::<B::InnerBackend, D>::from_data(data, &device))
-                };
+                let take = |prefix: &str| self.loaded.moment(prefix, stored, shape, &device);
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(m1), Some(m2)) => {
                         let state = AdamWState::new(AdaptiveMomentumState::new(time, m1, m2));

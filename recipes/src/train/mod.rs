@@ -26,7 +26,9 @@ mod update;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{TrainOutcome, resume_config, run};
-pub use update::{Optimizers, UpdateGroups, check_same_init, inner_device, zero_layout};
+pub use update::{
+    Optimizers, UpdateGroups, check_same_init, device_inner, inner_device, zero_layout,
+};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

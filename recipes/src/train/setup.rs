@@ -21,7 +21,7 @@ use wildfire_parallel::pp::graphs_lock;
 
 use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
-    check_same_init, inner_device, zero_layout,
+    check_same_init, device_inner, inner_device, zero_layout,
 };
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::{RunConfig, Transport, check_same_model};
@@ -546,11 +546,4 @@ fn describe_pipeline(plan: &PipelinePlan) -> String {
         100.0 * plan.ideal_bubble,
         plan.peak_in_flight,
     )
-}
-
-/// The inner backend's device that corresponds to `device`.
-fn device_inner<B: AutodiffBackend>(device: &B::Device) -> burn::tensor::Device<B::InnerBackend> {
-    burn::tensor::Tensor::<B, 1>::zeros([1], device)
-        .inner()
-        .device()
 }

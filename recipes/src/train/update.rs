@@ -200,8 +200,14 @@ impl<B: AutodiffBackend> Optimizers<B> {
 pub fn inner_device<B: AutodiffBackend>(
     model: &GptChunks<B>,
 ) -> burn::tensor::Device<B::InnerBackend> {
-    let device = model.devices().into_iter().next().unwrap_or_default();
-    burn::tensor::Tensor::<B, 1>::zeros([1], &device)
+    device_inner::<B>(&model.devices().into_iter().next().unwrap_or_default())
+}
+
+/// The inner backend's device that corresponds to `device`.
+pub fn device_inner<B: AutodiffBackend>(
+    device: &B::Device,
+) -> burn::tensor::Device<B::InnerBackend> {
+    burn::tensor::Tensor::<B, 1>::zeros([1], device)
         .inner()
         .device()
 }

@@ -137,6 +137,27 @@ pub fn max_param_difference(
     a: &BTreeMap<String, TensorData>,
     b: &BTreeMap<String, TensorData>,
 ) -> (f32, String) {
+    max_scaled_difference(a, b, |_| 1.0)
+}
+
+/// The largest difference between two runs' parameters relative to the tensor's largest value
+/// in `a` (key biases aside), and where it is.
+pub fn max_relative_difference(
+    a: &BTreeMap<String, TensorData>,
+    b: &BTreeMap<String, TensorData>,
+) -> (f32, String) {
+    max_scaled_difference(a, b, |x| {
+        x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30)
+    })
+}
+
+/// The largest `|a − b| / scale(tensor of a)` over the parameters (which must be the same in
+/// both), key biases aside, and where it is.
+fn max_scaled_difference(
+    a: &BTreeMap<String, TensorData>,
+    b: &BTreeMap<String, TensorData>,
+    scale: impl Fn(&[f32]) -> f32,
+) -> (f32, String) {
     assert_eq!(
         a.keys().collect::<Vec<_>>(),
         b.keys().collect::<Vec<_>>(),
@@ -146,12 +167,14 @@ pub fn max_param_difference(
     for (name, x) in a {
         let (x, y): (Vec<f32>, Vec<f32>) =
             (x.to_vec().expect("f32"), b[name].to_vec().expect("f32"));
+        let scale = scale(&x);
         for (i, (p, q)) in x.iter().zip(&y).enumerate() {
             if is_key_bias(name, i, x.len()) {
                 continue;
             }
-            if (p - q).abs() > worst.0 {
-                worst = ((p - q).abs(), format!("{name}[{i}]: {p} vs {q}"));
+            let difference = (p - q).abs() / scale;
+            if difference > worst.0 {
+                worst = (difference, format!("{name}[{i}]: {p} vs {q}"));
             }
         }
     }
