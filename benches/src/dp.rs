@@ -3,14 +3,15 @@
 //! the run's own metrics: median tokens/s over the steps after 3 warm-up steps, scaling
 //! efficiency against one rank on one core, and the share of step time spent in the gradient
 //! all-reduce. Every configuration runs in its own process (the thread pool is sized once per
-//! process).
+//! process), through [`RecipeRun`], which the `tp` benchmark shares.
 
 use crate::median;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use wildfire_recipes::CpuBackend;
 
 use anyhow::{Context, bail};
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use clap::Args;
 use serde::Serialize;
 use serde_json::Value;
@@ -32,8 +33,6 @@ pub struct DpArgs {
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     #[arg(long)]
-    dp: usize,
-    #[arg(long)]
     threads: usize,
     #[arg(long)]
     transport: String,
@@ -41,6 +40,73 @@ pub struct WorkerArgs {
     steps: u64,
     #[arg(long)]
     dir: PathBuf,
+    /// Config overrides (`KEY=VALUE`), e.g. `parallel.dp=2`.
+    #[arg(long = "set")]
+    sets: Vec<String>,
+}
+
+/// One configuration of the recipe to measure: `ranks` ranks (processes through the launcher,
+/// or threads of one process), `threads` compute threads per process, and the config
+/// overrides `sets`.
+#[derive(Debug, Clone)]
+pub(crate) struct RecipeRun {
+    pub name: String,
+    pub ranks: usize,
+    pub threads: usize,
+    pub processes: bool,
+    pub sets: Vec<String>,
+}
+
+impl RecipeRun {
+    /// Trains `steps` steps in worker processes of this benchmark binary and returns what the
+    /// run's metrics say (see [`measured`]).
+    pub fn measure(&self, steps: u64) -> anyhow::Result<(f64, f64, f64)> {
+        let exe = std::env::current_exe().context("locating this benchmark binary")?;
+        let dir = std::env::temp_dir().join(format!(
+            "wildfire-bench-{}-{}",
+            std::process::id(),
+            self.name.replace([' ', ',', '×'], "")
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let worker = |transport: &str| {
+            let mut command = vec![
+                exe.display().to_string(),
+                "dp-worker".into(),
+                "--threads".into(),
+                self.threads.to_string(),
+                "--transport".into(),
+                transport.into(),
+                "--steps".into(),
+                steps.to_string(),
+                "--dir".into(),
+                dir.display().to_string(),
+            ];
+            for set in &self.sets {
+                command.extend(["--set".to_string(), set.clone()]);
+            }
+            command
+        };
+        if self.processes {
+            let port = std::net::TcpListener::bind(("127.0.0.1", 0))?
+                .local_addr()?
+                .port();
+            launch(&LaunchConfig {
+                nproc_per_node: self.ranks,
+                master_port: port,
+                command: worker("launch"),
+                ..Default::default()
+            })?;
+        } else {
+            let command = worker("local");
+            let status = Command::new(&command[0]).args(&command[1..]).status()?;
+            if !status.success() {
+                bail!("{}: the worker failed ({status})", self.name);
+            }
+        }
+        let result = measured(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -93,50 +159,17 @@ const LAYOUTS: [Layout; 4] = [
 ];
 
 pub fn run(args: DpArgs) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating this benchmark binary")?;
     let mut rows = Vec::new();
     let mut one_core = None;
     for layout in LAYOUTS {
-        let dir = std::env::temp_dir().join(format!(
-            "wildfire-dp-bench-{}-{}",
-            std::process::id(),
-            layout.name.replace([' ', ','], "")
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        let worker = |transport: &str| {
-            [
-                exe.display().to_string(),
-                "dp-worker".into(),
-                "--dp".into(),
-                layout.dp.to_string(),
-                "--threads".into(),
-                layout.threads.to_string(),
-                "--transport".into(),
-                transport.into(),
-                "--steps".into(),
-                args.steps.to_string(),
-                "--dir".into(),
-                dir.display().to_string(),
-            ]
+        let run = RecipeRun {
+            name: layout.name.to_string(),
+            ranks: layout.dp,
+            threads: layout.threads,
+            processes: layout.processes,
+            sets: vec![format!("parallel.dp={}", layout.dp)],
         };
-        if layout.processes {
-            let port = std::net::TcpListener::bind(("127.0.0.1", 0))?
-                .local_addr()?
-                .port();
-            launch(&LaunchConfig {
-                nproc_per_node: layout.dp,
-                master_port: port,
-                command: worker("launch").into(),
-                ..Default::default()
-            })?;
-        } else {
-            let command = worker("local");
-            let status = Command::new(&command[0]).args(&command[1..]).status()?;
-            if !status.success() {
-                bail!("{}: the worker failed ({status})", layout.name);
-            }
-        }
-        let (tokens_per_sec, step_ms, comm_share) = measured(&dir)?;
+        let (tokens_per_sec, step_ms, comm_share) = run.measure(args.steps)?;
         let baseline = *one_core.get_or_insert(tokens_per_sec);
         rows.push(Row {
             layout: layout.name,
@@ -148,7 +181,6 @@ pub fn run(args: DpArgs) -> anyhow::Result<()> {
             comm_share,
             efficiency: tokens_per_sec / (layout.dp as f64 * baseline),
         });
-        let _ = std::fs::remove_dir_all(&dir);
     }
     if args.json {
         for row in &rows {
@@ -173,7 +205,7 @@ pub fn run(args: DpArgs) -> anyhow::Result<()> {
 }
 
 /// Median tokens/s and step time after warm-up, and Σ comm / Σ step time, from metrics.jsonl.
-fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
+pub(crate) fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
     let path = dir.join("metrics.jsonl");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -196,22 +228,23 @@ fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
     Ok((median(&mut tokens), median(&mut times), share))
 }
 
-/// One training process: the tiny recipe for `steps` steps at `dp` (all its ranks as threads,
-/// or this process's rank of a launched job), on `threads` compute threads.
+/// One training process: the recipe (tiny by default) for `steps` steps with the overrides
+/// `sets` (all its ranks as threads, or this process's rank of a launched job), on `threads`
+/// compute threads.
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads)
         .build_global()?;
-    let overrides = [
+    let mut overrides = vec![
         format!("run.dir={:?}", args.dir.display().to_string()),
         format!("train.max_steps={}", args.steps),
         "train.eval_every=0".into(),
         "checkpoint.every=0".into(),
         "run.log_every=1000000".into(),
-        format!("parallel.dp={}", args.dp),
         format!("parallel.transport={:?}", args.transport),
     ];
+    overrides.extend(args.sets);
     let config = RunConfig::load(None, &overrides)?;
-    wildfire_recipes::train::run::<Autodiff<Flex>>(config, false)?;
+    wildfire_recipes::train::run::<Autodiff<CpuBackend>>(config, false)?;
     Ok(())
 }

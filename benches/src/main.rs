@@ -6,6 +6,7 @@ mod decorator;
 mod dp;
 mod memory;
 mod pp;
+mod tp;
 mod train;
 mod train_profile;
 
@@ -49,7 +50,10 @@ enum Command {
     /// Data-parallel throughput of the tiny model at dp = 1 and 2, threads and processes, with
     /// scaling efficiency and the communication share of a step.
     Dp(dp::DpArgs),
-    /// One data-parallel training process of `dp`.
+    /// Tensor-parallel throughput at tp = 2 against tp = 1 (tiny and gpt2 presets), with the
+    /// share of a step spent in collectives.
+    Tp(tp::TpArgs),
+    /// One training process of `dp` and `tp`.
     #[command(hide = true)]
     DpWorker(dp::WorkerArgs),
     /// Where a tiny-GPT training step spends its time, component by component.
@@ -73,6 +77,7 @@ fn main() -> anyhow::Result<()> {
         Command::Pp(args) => pp::run(args),
         Command::Memory(args) => memory::run(args),
         Command::Dp(args) => dp::run(args),
+        Command::Tp(args) => tp::run(args),
         Command::DpWorker(args) => dp::worker(args),
         Command::PpWorker(args) => pp::worker(args),
         Command::Train(args) => train::run(args),

@@ -7,9 +7,10 @@
 use crate::mib;
 use std::collections::HashMap;
 use std::time::Duration;
+use wildfire_recipes::CpuBackend;
 
 use anyhow::Context;
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 use clap::Args;
@@ -23,7 +24,7 @@ use wildfire_recipes::optim::MatrixDecayAdamW;
 
 use crate::alloc::HEAP;
 
-type B = Autodiff<Flex>;
+type B = Autodiff<CpuBackend>;
 
 const STAGES: [ZeroStage; 4] = [
     ZeroStage::Zero0,
@@ -90,10 +91,10 @@ fn model_states() -> anyhow::Result<Vec<StateRow>> {
     let layout = FlatLayout::of_module(&model, DEFAULT_BUCKET_BYTES);
     let params = dp::flat_params(&model);
     // Restoring zero moments builds the moment state as training would after one step.
-    let moments: HashMap<ParamId, FullMoments<Flex>> = params
+    let moments: HashMap<ParamId, FullMoments<CpuBackend>> = params
         .iter()
         .map(|(id, value)| {
-            let zeros = || Tensor::<Flex, 1>::zeros(value.shape(), &device);
+            let zeros = || Tensor::<CpuBackend, 1>::zeros(value.shape(), &device);
             let moments = FullMoments {
                 exp_avg: zeros(),
                 exp_avg_sq: zeros(),
@@ -116,7 +117,7 @@ fn model_states() -> anyhow::Result<Vec<StateRow>> {
         let mut zero0 = None;
         for stage in STAGES {
             let start = HEAP.current();
-            let mut zero = ZeroOptimizer::<Flex>::new(
+            let mut zero = ZeroOptimizer::<CpuBackend>::new(
                 stage,
                 group.clone(),
                 layout.clone(),
@@ -155,7 +156,11 @@ fn model_states() -> anyhow::Result<Vec<StateRow>> {
 
 /// The gradient buffers rank 0 keeps between backward and update: whole buckets under ZeRO 0
 /// and 1, its owned parts under 2 and 3.
-fn gradient_buffers(layout: &FlatLayout, stage: ZeroStage, dp: usize) -> Vec<Tensor<Flex, 1>> {
+fn gradient_buffers(
+    layout: &FlatLayout,
+    stage: ZeroStage,
+    dp: usize,
+) -> Vec<Tensor<CpuBackend, 1>> {
     layout
         .buckets
         .iter()

@@ -16,14 +16,15 @@
 use crate::mib;
 use std::path::PathBuf;
 use std::time::Duration;
+use wildfire_recipes::CpuBackend;
 
 use anyhow::Context;
 
+use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, unary};
-use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
@@ -38,7 +39,7 @@ use wildfire_recipes::train::TokenBatch;
 
 use crate::alloc::HEAP;
 
-type B = Autodiff<Flex>;
+type B = Autodiff<CpuBackend>;
 
 #[derive(Debug, Args)]
 pub struct PpArgs {
@@ -361,12 +362,12 @@ impl PipelineChunk<B> for SleepStage<B> {
 #[derive(Debug)]
 struct SleepBackward(Duration);
 
-impl Backward<Flex, 1> for SleepBackward {
+impl Backward<CpuBackend, 1> for SleepBackward {
     type State = ();
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         std::thread::sleep(self.0);
-        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| grad);
+        unary::<CpuBackend, _>(ops.parents, ops.node, grads, |grad| grad);
     }
 }
 

@@ -8,9 +8,10 @@ use crate::median;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
+use wildfire_recipes::CpuBackend;
 
 use anyhow::{Context, bail};
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Autodiff;
 use burn::optim::GradientsParams;
 use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -23,7 +24,7 @@ use wildfire_recipes::data::SplitMix64;
 use wildfire_recipes::model::{Gpt, Preset, StageSpec, cross_entropy_sum};
 use wildfire_recipes::optim::{MatrixDecayAdamW, clip_global_norm};
 
-type B = Autodiff<Flex>;
+type B = Autodiff<CpuBackend>;
 
 const VOCAB: usize = 65;
 const BATCH: usize = 16;
@@ -116,7 +117,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         let mut grads = GradientsParams::from_grads(grads, &model);
         clip_global_norm(&model, &mut grads, 1.0);
         model = optimizer.step(1e-3, model, grads);
-        let _ = model.blocks[0].attn.c_attn.weight.val().into_data();
+        let _ = model.blocks[0].attn.c_attn.weight().val().into_data();
         let done = Instant::now();
         if step >= 3 {
             forward.push((forwarded - start).as_secs_f64() * 1e3);

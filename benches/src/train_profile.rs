@@ -4,6 +4,7 @@
 //! and the "× per step" column says how often a step runs it.
 
 use std::time::Instant;
+use wildfire_recipes::CpuBackend;
 
 use burn::backend::{Autodiff, Flex};
 use burn::nn::{LayerNorm, LayerNormConfig};
@@ -15,7 +16,7 @@ use wildfire_recipes::model::{
     Gpt, Preset, StageSpec, causal_attention, cross_entropy_sum, gelu_tanh,
 };
 
-type B = Autodiff<Flex>;
+type B = Autodiff<CpuBackend>;
 
 #[derive(Debug, Args)]
 pub struct ProfileArgs {
@@ -104,7 +105,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         (
             "mlp c_fc + gelu + c_proj",
             layers,
-            measure(iters, &x, |x| block.mlp.forward(x)),
+            measure(iters, &x, |x| block.mlp.forward(x, None)),
         ),
         (
             "attn c_proj 128→128",
@@ -189,7 +190,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         let _ = model
             .embeddings
             .as_ref()
-            .map(|e| e.wte.weight.grad(&loss.backward()));
+            .map(|e| e.wte.weight().grad(&loss.backward()));
     });
     println!(
         "{:<28} {:>12} {:>10} {whole:>10.2}",
@@ -207,6 +208,7 @@ fn attention_core(block: &wildfire_recipes::model::Block<B>, x: Tensor<B, 3>) ->
         split(x.clone() * 0.5),
         split(x),
         &block.attn.attn_dropout,
+        None,
     );
     y.swap_dims(1, 2).reshape([batch, seq, d])
 }

@@ -3,8 +3,7 @@
 //! before any training).
 //!
 //! Rank grid: row-major over (dp, pp, tp) with tp fastest, so tensor-parallel peers are
-//! neighbours (as GPUs of one node are). Tensor parallelism arrives with its own issue; until
-//! then `tp` must be 1.
+//! neighbours (as GPUs of one node are).
 
 use std::ops::Range;
 
@@ -36,12 +35,12 @@ pub enum MeshError {
         pp: usize,
         product: usize,
     },
-    #[error("{what} = {value} is not supported yet (only 1): {why}")]
-    NotYet {
-        what: &'static str,
-        value: usize,
-        why: &'static str,
-    },
+    #[error(
+        "ZeRO stage {stage} with tensor parallelism (tp {tp}) is not supported yet: ZeRO's \
+         flat shards and checkpoint pieces cover whole parameters, not tensor-parallel parts; \
+         use ZeRO stage 0 (DDP) with tp > 1"
+    )]
+    ZeroWithTensor { stage: u8, tp: usize },
     #[error(
         "the global batch is {global} sequences, but micro-batch {micro} × accumulation \
          {accumulation} × dp {dp} = {product}: change one of them (or leave the global batch \
@@ -70,6 +69,11 @@ pub enum MeshError {
          choose a context that is a multiple of {tp}"
     )]
     Sequence { seq: usize, tp: usize },
+    #[error(
+        "sequence parallelism splits the sequence between tensor-parallel layers, but tp = 1: \
+         set tp > 1 or leave sequence parallelism off"
+    )]
+    SequenceWithoutTensor,
     #[error("{0}")]
     Partition(#[from] PartitionError),
     #[error("{0}")]
@@ -108,13 +112,6 @@ impl ParallelDims {
                 product,
             });
         }
-        if self.tp != 1 {
-            return Err(MeshError::NotYet {
-                what: "tp",
-                value: self.tp,
-                why: "tensor parallelism is not implemented yet",
-            });
-        }
         Ok(())
     }
 
@@ -128,6 +125,9 @@ impl ParallelDims {
         sequence_parallel: bool,
     ) -> Result<(), MeshError> {
         let tp = self.tp;
+        if sequence_parallel && tp == 1 {
+            return Err(MeshError::SequenceWithoutTensor);
+        }
         if !heads.is_multiple_of(tp) {
             return Err(MeshError::Heads { heads, tp });
         }
@@ -141,6 +141,12 @@ impl ParallelDims {
     pub fn check_zero(&self, stage: ZeroStage) -> Result<(), MeshError> {
         if stage == ZeroStage::Three && self.pp > 1 {
             return Err(MeshError::ZeroWithPipeline { pp: self.pp });
+        }
+        if stage != ZeroStage::Zero0 && self.tp > 1 {
+            return Err(MeshError::ZeroWithTensor {
+                stage: stage.level(),
+                tp: self.tp,
+            });
         }
         Ok(())
     }
@@ -181,6 +187,21 @@ impl ParallelDims {
         (0..self.dp)
             .map(|dp| (dp * self.pp + pp) * self.tp + tp)
             .collect()
+    }
+
+    /// The global ranks of `global`'s tensor-parallel group (same dp and pp coordinates), in tp
+    /// order.
+    pub fn tensor_ranks(&self, global: usize) -> Vec<usize> {
+        let first = global - global % self.tp;
+        (first..first + self.tp).collect()
+    }
+
+    /// The global ranks that hold one replica of the model between them (same dp coordinate:
+    /// every pipeline stage and tensor-parallel part), in rank order.
+    pub fn model_ranks(&self, global: usize) -> Vec<usize> {
+        let size = self.pp * self.tp;
+        let first = global - global % size;
+        (first..first + size).collect()
     }
 
     /// `global`'s coordinates `(dp, pp, tp)` in the rank grid.
@@ -233,11 +254,7 @@ mod tests {
             "the world has 2 ranks, but dp 1 × tp 1 × pp 4 = 4: start 4 ranks (`wildfire launch \
              --nproc-per-node 4 -- …`, or `--transport local` for threads) or change the degrees"
         );
-        let tp = ParallelDims { tp: 2, ..dims };
-        assert_eq!(
-            tp.validate(8).unwrap_err().to_string(),
-            "tp = 2 is not supported yet (only 1): tensor parallelism is not implemented yet"
-        );
+        assert!(ParallelDims { tp: 2, ..dims }.validate(8).is_ok());
         assert!(ParallelDims { dp: 2, ..dims }.validate(8).is_ok());
     }
 
@@ -264,6 +281,17 @@ mod tests {
             "sequence parallelism splits the sequence, but length 130 does not divide by tp 4: \
              choose a context that is a multiple of 4"
         );
+        let serial = ParallelDims { tp: 1, ..dims };
+        assert!(matches!(
+            serial.check_tensor_parallel(12, 128, true),
+            Err(MeshError::SequenceWithoutTensor)
+        ));
+        assert_eq!(
+            dims.check_zero(ZeroStage::One).unwrap_err().to_string(),
+            "ZeRO stage 1 with tensor parallelism (tp 4) is not supported yet: ZeRO's flat shards \
+             and checkpoint pieces cover whole parameters, not tensor-parallel parts; use ZeRO \
+             stage 0 (DDP) with tp > 1"
+        );
     }
 
     #[test]
@@ -276,6 +304,12 @@ mod tests {
         assert_eq!(dims.pipeline_ranks(4), [3, 4, 5]);
         assert_eq!(dims.data_ranks(4), [1, 4]);
         assert_eq!(dims.data_ranks(0), [0, 3]);
+        let grid = ParallelDims { tp: 2, ..dims };
+        // Rank 9 is (dp 1, pp 1, tp 1).
+        assert_eq!(grid.tensor_ranks(9), [8, 9]);
+        assert_eq!(grid.pipeline_ranks(9), [7, 9, 11]);
+        assert_eq!(grid.data_ranks(9), [3, 9]);
+        assert_eq!(grid.model_ranks(9), [6, 7, 8, 9, 10, 11]);
     }
 
     #[test]

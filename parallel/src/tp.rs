@@ -20,6 +20,8 @@
 //! all-gather) instead of `g`'s all-reduce. The communicated volume is the same (an all-reduce
 //! is a reduce-scatter and an all-gather); the activations between the layers shrink `p`-fold.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
@@ -82,9 +84,27 @@ fn group_of(group: &Option<ProcessGroup>) -> &ProcessGroup {
         .expect("a tensor-parallel layer keeps its group (it was built with one)")
 }
 
+/// A copy of `t` with its own storage and no graph: a parameter made from a slice of the whole
+/// weight must be a leaf (on an autodiff backend a slice is not), and must not keep the whole
+/// weight's storage alive (a slice can be a view of it).
+fn owned<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let device = t.device();
+    Tensor::from_data(t.into_data(), &device)
+}
+
+/// What rank `rank` of `size` holds of a dimension of `len` entries cut into `sections` equal
+/// sections (3 for a fused QKV projection, 1 otherwise): its part (`split_ranges`) of each.
+fn section_parts(len: usize, sections: usize, rank: usize, size: usize) -> Vec<Range<usize>> {
+    let width = len / sections;
+    let part = split_ranges(width, size)[rank].clone();
+    (0..sections)
+        .map(|s| s * width + part.start..s * width + part.end)
+        .collect()
+}
+
 /// Part `rank` of `total` along a dimension.
-fn part(total: usize, group: &ProcessGroup) -> std::ops::Range<usize> {
-    split_ranges(total, group.size())[group.rank()].clone()
+fn part(total: usize, group: &ProcessGroup) -> Range<usize> {
+    section_parts(total, 1, group.rank(), group.size()).remove(0)
 }
 
 impl<B: CollectiveBackend> ColumnParallelLinear<B> {
@@ -99,13 +119,7 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
         gather_output: bool,
     ) -> Self {
         let [n_in, n_out] = weight.dims();
-        let width = n_out / sections;
-        let columns: Vec<_> = (0..sections)
-            .map(|s| {
-                let range = part(width, group);
-                s * width + range.start..s * width + range.end
-            })
-            .collect();
+        let columns = section_parts(n_out, sections, group.rank(), group.size());
         let weight = Tensor::cat(
             columns
                 .iter()
@@ -114,13 +128,13 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
             1,
         );
         let bias = bias.map(|b| {
-            Param::from_tensor(Tensor::cat(
+            Param::from_tensor(owned(Tensor::cat(
                 columns.iter().map(|c| b.clone().slice(c.clone())).collect(),
                 0,
-            ))
+            )))
         });
         Self {
-            weight: Param::from_tensor(weight),
+            weight: Param::from_tensor(owned(weight)),
             bias,
             group: Some(group.clone()),
             gather_output,
@@ -164,8 +178,8 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
         let [n_in, n_out] = weight.dims();
         let rows = part(n_in, group);
         Self {
-            weight: Param::from_tensor(weight.slice([rows, 0..n_out])),
-            bias: bias.map(Param::from_tensor),
+            weight: Param::from_tensor(owned(weight.slice([rows, 0..n_out]))),
+            bias: bias.map(|b| Param::from_tensor(owned(b))),
             group: Some(group.clone()),
             sequence_parallel: false,
         }
@@ -202,7 +216,7 @@ impl<B: CollectiveBackend> VocabParallelEmbedding<B> {
         let rows = part(vocab, group);
         Self {
             vocab_start: rows.start,
-            weight: Param::from_tensor(weight.slice([rows, 0..d])),
+            weight: Param::from_tensor(owned(weight.slice([rows, 0..d]))),
             group: Some(group.clone()),
         }
     }
@@ -264,4 +278,215 @@ pub fn vocab_parallel_cross_entropy<B: CollectiveBackend>(
     let picked = shifted.gather(1, local.unsqueeze_dim(1)) * inside.unsqueeze_dim(1);
     let target = reduce_from_parallel_region(picked, group)?;
     Ok((sum_exp.log() - target).sum())
+}
+
+/// How one layer (or one parameter) of a model is split over the `p` ranks of a
+/// tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpStyle {
+    /// [`ColumnParallelLinear`]: the weight's output columns (dimension 1) and the bias split, in
+    /// each of `sections` equal blocks (3 for a fused QKV projection).
+    Column { sections: usize },
+    /// [`RowParallelLinear`]: the weight's input rows (dimension 0) split, the bias whole.
+    Row,
+    /// [`VocabParallelEmbedding`] (or a tied head's copy of its table): rows split.
+    VocabRows,
+    /// Whole on every rank, applied inside the sequence-parallel region (a LayerNorm): under
+    /// sequence parallelism each rank's gradient covers its part of the sequence only.
+    SequenceRegion,
+}
+
+/// A box of a tensor: `shape` elements from `offset`, per dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorBox {
+    pub offset: Vec<usize>,
+    pub shape: Vec<usize>,
+}
+
+/// A tensor-parallel plan: which layer of a model gets which [`TpStyle`], as data, for rank
+/// `rank` of a group of `size`. A rule names a module path whose components may be `*` (any one
+/// component), e.g. `blocks.*.attn.c_attn`; it covers the parameters directly under that path
+/// (`blocks.3.attn.c_attn.weight`) and a parameter at exactly that path (`head.wte`). Parameters
+/// no rule covers are replicated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TpPlan {
+    rules: Vec<(Vec<String>, TpStyle)>,
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl TpPlan {
+    /// `rules` for rank `rank` of `size`.
+    pub fn new(rules: &[(&str, TpStyle)], rank: usize, size: usize) -> Self {
+        let rules = rules
+            .iter()
+            .map(|(path, style)| (path.split('.').map(str::to_string).collect(), *style))
+            .collect();
+        Self { rules, rank, size }
+    }
+
+    /// The plan of a model that is not split: everything whole.
+    pub fn serial() -> Self {
+        Self::new(&[], 0, 1)
+    }
+
+    /// The style of the layer or parameter at `path`, if a rule covers it (see [`TpPlan`]).
+    pub fn style(&self, path: &str) -> Option<TpStyle> {
+        let parts: Vec<&str> = path.split('.').collect();
+        self.rules.iter().find_map(|(pattern, style)| {
+            let covers = (parts.len() == pattern.len() || parts.len() == pattern.len() + 1)
+                && pattern
+                    .iter()
+                    .zip(&parts)
+                    .all(|(want, have)| want == "*" || want == have);
+            covers.then_some(*style)
+        })
+    }
+
+    /// The dimension along which parameter `path` of rank `dims` is split, and in how many
+    /// equal sections; `None` when every rank holds it whole.
+    fn split(&self, path: &str, dims: usize) -> Option<(usize, usize)> {
+        if self.size == 1 {
+            return None;
+        }
+        match (self.style(path)?, dims) {
+            (TpStyle::Column { sections }, 2) => Some((1, sections)),
+            (TpStyle::Column { sections }, 1) => Some((0, sections)),
+            (TpStyle::Row | TpStyle::VocabRows, 2) => Some((0, 1)),
+            _ => None,
+        }
+    }
+
+    /// Whether every rank holds a different part of parameter `path` (of rank `dims`).
+    pub fn is_split(&self, path: &str, dims: usize) -> bool {
+        self.split(path, dims).is_some()
+    }
+
+    /// Whether, under sequence parallelism, this rank's gradient of the whole parameter `path`
+    /// (of rank `dims`) is only its part of the sequence's, to be summed over the group: a
+    /// [`TpStyle::SequenceRegion`] layer's parameters, and a row-parallel layer's bias (added
+    /// after the reduce-scatter).
+    pub fn is_sequence_partial(&self, path: &str, dims: usize) -> bool {
+        matches!(
+            (self.style(path), dims),
+            (Some(TpStyle::SequenceRegion), _) | (Some(TpStyle::Row), 1)
+        )
+    }
+
+    /// The boxes of the global tensor `path` (shape `global`) that this rank holds, in the order
+    /// its local tensor concatenates them along the split dimension: one box, or one per
+    /// section of a sectioned column split; the whole tensor when it is not split.
+    pub fn boxes(&self, path: &str, global: &[usize]) -> Vec<TensorBox> {
+        let whole = TensorBox {
+            offset: vec![0; global.len()],
+            shape: global.to_vec(),
+        };
+        let Some((dim, sections)) = self.split(path, global.len()) else {
+            return vec![whole];
+        };
+        section_parts(global[dim], sections, self.rank, self.size)
+            .into_iter()
+            .map(|part| {
+                let mut tensor_box = whole.clone();
+                tensor_box.offset[dim] = part.start;
+                tensor_box.shape[dim] = part.len();
+                tensor_box
+            })
+            .collect()
+    }
+
+    /// This rank's part of the global tensor `full` of parameter `path`: its boxes, concatenated
+    /// along the split dimension (`full` itself when it is not split).
+    pub fn local_part<B: Backend, const D: usize>(
+        &self,
+        path: &str,
+        full: Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        let Some((dim, _)) = self.split(path, D) else {
+            return full;
+        };
+        let parts = self
+            .boxes(path, &full.dims())
+            .iter()
+            .map(|part| {
+                let ranges: [Range<usize>; D] =
+                    std::array::from_fn(|d| part.offset[d]..part.offset[d] + part.shape[d]);
+                full.clone().slice(ranges)
+            })
+            .collect();
+        Tensor::cat(parts, dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+
+    use super::*;
+
+    const PLAN: &[(&str, TpStyle)] = &[
+        ("blocks.*.attn.c_attn", TpStyle::Column { sections: 3 }),
+        ("blocks.*.attn.c_proj", TpStyle::Row),
+        ("head.wte", TpStyle::VocabRows),
+        ("blocks.*.ln_1", TpStyle::SequenceRegion),
+    ];
+
+    #[test]
+    fn rules_cover_the_parameters_under_a_path_or_at_it() {
+        let plan = TpPlan::new(PLAN, 1, 2);
+        let column = Some(TpStyle::Column { sections: 3 });
+        assert_eq!(plan.style("blocks.7.attn.c_attn.weight"), column);
+        assert_eq!(plan.style("blocks.7.attn.c_attn"), column);
+        assert_eq!(plan.style("head.wte"), Some(TpStyle::VocabRows));
+        assert_eq!(plan.style("blocks.7.attn.c_attn.weight.extra"), None);
+        assert_eq!(plan.style("blocks.7.mlp.c_fc.weight"), None);
+        assert!(plan.is_split("blocks.0.attn.c_proj.weight", 2));
+        assert!(!plan.is_split("blocks.0.attn.c_proj.bias", 1));
+        assert!(plan.is_sequence_partial("blocks.0.attn.c_proj.bias", 1));
+        assert!(plan.is_sequence_partial("blocks.0.ln_1.gamma", 1));
+        assert!(!plan.is_sequence_partial("blocks.0.attn.c_attn.bias", 1));
+        assert!(!TpPlan::new(PLAN, 0, 1).is_split("blocks.0.attn.c_proj.weight", 2));
+    }
+
+    /// Rank 1 of 2 holds, of each of Q, K and V (5 columns each, split 3 + 2), the last 2
+    /// columns; of a row-parallel weight's 7 rows, the last 3.
+    #[test]
+    fn boxes_follow_split_ranges_per_section() {
+        let plan = TpPlan::new(PLAN, 1, 2);
+        let boxes = plan.boxes("blocks.0.attn.c_attn.weight", &[4, 15]);
+        let offsets: Vec<Vec<usize>> = boxes.iter().map(|b| b.offset.clone()).collect();
+        assert_eq!(offsets, [[0, 3], [0, 8], [0, 13]]);
+        assert!(boxes.iter().all(|b| b.shape == [4, 2]));
+        let bias = plan.boxes("blocks.0.attn.c_attn.bias", &[15]);
+        assert_eq!(
+            bias.iter().map(|b| b.offset[0]).collect::<Vec<_>>(),
+            [3, 8, 13]
+        );
+        let row = plan.boxes("blocks.0.attn.c_proj.weight", &[7, 4]);
+        assert_eq!(
+            row,
+            [TensorBox {
+                offset: vec![4, 0],
+                shape: vec![3, 4]
+            }]
+        );
+        let whole = plan.boxes("blocks.0.ln_1.gamma", &[4]);
+        assert_eq!(whole[0].shape, [4]);
+    }
+
+    /// `local_part` concatenates the boxes along the split dimension: the same columns
+    /// `ColumnParallelLinear::from_full` keeps.
+    #[test]
+    fn the_local_part_is_the_boxes_in_order() {
+        let plan = TpPlan::new(PLAN, 1, 2);
+        let full: Vec<f32> = (0..60).map(|v| v as f32).collect();
+        let full = Tensor::<Flex, 2>::from_data(
+            burn::tensor::TensorData::new(full, [4, 15]),
+            &Default::default(),
+        );
+        let part = plan.local_part("blocks.0.attn.c_attn.weight", full);
+        assert_eq!(part.dims(), [4, 6]);
+        let first_row: Vec<f32> = part.slice([0..1, 0..6]).into_data().to_vec().unwrap();
+        assert_eq!(first_row, [3.0, 4.0, 8.0, 9.0, 13.0, 14.0]);
+    }
 }

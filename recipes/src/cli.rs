@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
 use wildfire_backend::launch::{self, LaunchConfig};
 
+use crate::CpuBackend;
 use crate::config::RunConfig;
 use crate::config::Transport;
 use crate::model::{Gpt, StageSpec};
@@ -69,6 +70,13 @@ pub struct TrainArgs {
     /// dp (sets train.global_batch).
     #[arg(long)]
     pub global_batch: Option<usize>,
+    /// Tensor-parallel ranks (sets parallel.tp).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Sequence parallelism between the tensor-parallel layers (sets
+    /// parallel.sequence_parallel).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Pipeline-parallel ranks (sets parallel.pp).
     #[arg(long)]
     pub pp: Option<usize>,
@@ -116,6 +124,11 @@ impl TrainArgs {
         set(
             "train.global_batch",
             self.global_batch.map(|n| n.to_string()),
+        );
+        set("parallel.tp", self.tp.map(|n| n.to_string()));
+        set(
+            "parallel.sequence_parallel",
+            self.sequence_parallel.then(|| "true".to_string()),
         );
         set("parallel.pp", self.pp.map(|n| n.to_string()));
         set("train.grad_accum", self.microbatches.map(|n| n.to_string()));
@@ -293,7 +306,7 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
         Some(dir) => train::resume_config(dir.as_ref().unwrap_or(&given.run.dir), &overrides)?,
     };
     set_threads(config.run.threads)?;
-    let outcome = train::run::<Autodiff<Flex>>(config, args.resume.is_some())?;
+    let outcome = train::run::<Autodiff<CpuBackend>>(config, args.resume.is_some())?;
     println!(
         "trained to step {} in {}; last loss {:.4}",
         outcome.steps,
@@ -305,7 +318,7 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
     let (model, tokenizer, config) =
-        generate::load_model::<Flex>(&args.checkpoint, &Default::default())?;
+        generate::load_model::<CpuBackend>(&args.checkpoint, &Default::default())?;
     let sampling = generate::Sampling {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,

@@ -125,6 +125,12 @@ pub struct ParallelSection {
     pub bucket_mb: f64,
     /// Keep the ZeRO optimizer's moments and master parameters in host memory and update there.
     pub offload_optimizer: bool,
+    /// Tensor-parallel ranks (Megatron-LM's: attention split by heads, the MLP and the
+    /// vocabulary by columns; see `model::TP_PLAN`).
+    pub tp: usize,
+    /// Split the LayerNorm and dropout regions between tensor-parallel layers along the
+    /// sequence (sequence parallelism; needs the context to divide by tp).
+    pub sequence_parallel: bool,
     /// Pipeline-parallel ranks.
     pub pp: usize,
     /// Model chunks per pipeline rank (more than 1 needs the interleaved schedule).
@@ -156,6 +162,8 @@ impl Default for ParallelSection {
             zero: 0,
             bucket_mb: 25.0,
             offload_optimizer: false,
+            tp: 1,
+            sequence_parallel: false,
             pp: 1,
             virtual_stages: 1,
             schedule: "1f1b".into(),

@@ -12,3 +12,19 @@ pub mod logging;
 pub mod model;
 pub mod optim;
 pub mod train;
+
+use burn::tensor::backend::AutodiffBackend;
+use wildfire_backend::collective::CollectiveBackend;
+
+/// The recipe's CPU backend: Burn's `Flex` under the `Parallel` decorator, whose collectives
+/// carry tensor parallelism (with one rank they are never called).
+pub type CpuBackend = wildfire_backend::Parallel<burn::backend::Flex>;
+
+/// A backend the recipe trains on: autodiff over a backend with collectives, e.g.
+/// `Autodiff<Parallel<Flex>>` (evaluation runs on the inner backend, so it has them too).
+pub trait TrainBackend:
+    AutodiffBackend<InnerBackend: CollectiveBackend> + CollectiveBackend
+{
+}
+
+impl<B: AutodiffBackend<InnerBackend: CollectiveBackend> + CollectiveBackend> TrainBackend for B {}

@@ -15,10 +15,8 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::TensorData;
 use common::*;
 use wildfire_recipes::checkpoint;
 
@@ -47,15 +45,6 @@ fn dp_train(name: &str, accumulation: usize, extra: &[&str]) -> PathBuf {
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
     dir
-}
-
-/// Every checkpoint's parameters, by step.
-fn params_by_step(dir: &Path) -> BTreeMap<u64, BTreeMap<String, TensorData>> {
-    checkpoint::store::list_checkpoints(&dir.join("checkpoints"))
-        .expect("checkpoints")
-        .into_iter()
-        .map(|(step, path)| (step, checkpoint::load(&path).expect("readable").params))
-        .collect()
 }
 
 /// Losses at every step within 1e-6 relative, parameters after every step within `tolerance`

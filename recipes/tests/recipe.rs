@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
+use wildfire_recipes::CpuBackend;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
 
@@ -540,9 +541,9 @@ fn export_loads_in_transformers_with_the_same_logits() {
     let theirs: Vec<Vec<f64>> = serde_json::from_slice(&check.stdout).expect("logits JSON");
 
     let (model, _, _) =
-        wildfire_recipes::generate::load_model::<Flex>(&dir, &Default::default()).unwrap();
+        wildfire_recipes::generate::load_model::<CpuBackend>(&dir, &Default::default()).unwrap();
     let input: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    let input = Tensor::<Flex, 2, Int>::from_data(
+    let input = Tensor::<CpuBackend, 2, Int>::from_data(
         TensorData::new(input, [1, ids.len()]),
         &Default::default(),
     );

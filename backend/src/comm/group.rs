@@ -84,6 +84,8 @@ pub(crate) struct GroupInner {
     seq: AtomicU64,
     /// Collectives issued so far, per op (index: `OpKind as usize`).
     counts: [AtomicU64; OpKind::ALL.len()],
+    /// Nanoseconds this rank has spent inside them, from start to return.
+    busy_ns: AtomicU64,
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) options: CommOptions,
     /// Sub-groups created so far per rank list, world-wide, so that creating the same rank list
@@ -147,6 +149,7 @@ impl ProcessGroup {
                 me: transport.rank(),
                 seq: AtomicU64::new(0),
                 counts: Default::default(),
+                busy_ns: AtomicU64::new(0),
                 transport,
                 options,
                 created: Arc::default(),
@@ -203,6 +206,12 @@ impl ProcessGroup {
     /// How many collectives of kind `op` this rank has issued on this group (clones included).
     pub fn op_count(&self, op: OpKind) -> u64 {
         self.inner.counts[op as usize].load(Ordering::Relaxed)
+    }
+
+    /// The time this rank has spent inside collectives on this group (clones included), each
+    /// from its start to its return, waiting for slower ranks included.
+    pub fn comm_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.inner.busy_ns.load(Ordering::Relaxed))
     }
 
     /// "world (8 ranks)" or "group [4, 5, 6, 7]": how errors name the group.
@@ -271,6 +280,7 @@ impl ProcessGroup {
                 me,
                 seq: AtomicU64::new(0),
                 counts: Default::default(),
+                busy_ns: AtomicU64::new(0),
                 transport: self.inner.transport.clone(),
                 options: self.inner.options.clone(),
                 created: self.inner.created.clone(),
@@ -342,6 +352,13 @@ pub(crate) struct OpCtx<'a> {
     pub(crate) desc: Descriptor,
     started: Instant,
     pub(crate) deadline: Instant,
+}
+
+impl Drop for OpCtx<'_> {
+    fn drop(&mut self) {
+        let nanos = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.group.inner.busy_ns.fetch_add(nanos, Ordering::Relaxed);
+    }
 }
 
 impl OpCtx<'_> {

@@ -31,13 +31,14 @@ use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
 use wildfire_backend::comm::ProcessGroup;
 
-use crate::model::params::{ParamFn, collect_params, load_params, param_names};
+use crate::model::params::{ParamFn, collect_params, for_each_param, load_params, param_names};
 use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW};
 use crate::train::Optimizers;
 use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
 use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
+use wildfire_parallel::tp::TpPlan;
 
 const EXP_AVG: &str = "optim.exp_avg.";
 const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
@@ -136,11 +137,96 @@ fn stored_name(name: &str) -> &str {
 type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
 type ChunksRecord<B> = <ChunksOptimizer<B> as Optimizer<GptChunks<B>, B>>::Record;
 
-/// AdamW moments of every parameter that has them, as named tensors plus step counts. The tied
-/// copy of the token embedding is skipped: its moments equal the embedding's.
+/// Where this rank's parameters sit in the whole model: the tensor-parallel plan (for this rank)
+/// and every parameter's global shape, by name.
+#[derive(Debug, Clone)]
+pub struct ModelLayout {
+    pub plan: TpPlan,
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+impl ModelLayout {
+    /// The layout of `whole`, the model before [`Gpt::shard`] splits it as `plan` says.
+    pub fn new<B: Backend>(whole: &Gpt<B>, plan: TpPlan) -> Self {
+        struct Shapes(BTreeMap<String, Vec<usize>>);
+        impl<B: Backend> ParamFn<B> for Shapes {
+            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+                self.0.insert(name.to_string(), param.shape().to_vec());
+            }
+        }
+        let mut shapes = Shapes(BTreeMap::new());
+        for_each_param(whole, whole.first_block, &mut shapes);
+        Self {
+            plan,
+            shapes: shapes.0,
+        }
+    }
+
+    /// The global shape of parameter `name`.
+    fn shape(&self, name: &str) -> anyhow::Result<&[usize]> {
+        self.shapes
+            .get(name)
+            .map(Vec::as_slice)
+            .with_context(|| format!("parameter {name} is not in the model's layout"))
+    }
+
+    /// Whether this rank stores parameter `name` (and its moments): its part of a split one;
+    /// a whole one only on the first tensor-parallel rank.
+    fn stores(&self, name: &str) -> anyhow::Result<bool> {
+        let dims = self.shape(name)?.len();
+        Ok(self.plan.rank == 0 || self.plan.is_split(name, dims))
+    }
+
+    /// This rank's part `data` of parameter `name` as the slices stored under `stored` (the
+    /// parameter's name, or one of its moments'): each box of the global tensor it holds
+    /// (one, or one per section of a fused projection), cut from `data` in order along the
+    /// split dimension.
+    fn slices(
+        &self,
+        name: &str,
+        stored: String,
+        data: TensorData,
+    ) -> anyhow::Result<Vec<TensorSlice>> {
+        let global = self.shape(name)?;
+        let boxes = self.plan.boxes(name, global);
+        let Some(dim) = (0..global.len()).find(|&d| boxes[0].shape[d] != global[d]) else {
+            return Ok(vec![to_slice(stored, data)?]);
+        };
+        let whole = to_slice(stored, data)?;
+        let elem = whole.dtype.size();
+        let mut local_offset = vec![0; global.len()];
+        let mut slices = Vec::with_capacity(boxes.len());
+        for part in boxes {
+            let bytes =
+                store::cut_box(&whole.bytes, elem, &whole.shape, &local_offset, &part.shape);
+            local_offset[dim] += part.shape[dim];
+            slices.push(TensorSlice {
+                name: whole.name.clone(),
+                dtype: whole.dtype,
+                global_shape: global.to_vec(),
+                offset: part.offset,
+                shape: part.shape,
+                bytes,
+            });
+        }
+        if local_offset[dim] != whole.shape[dim] {
+            bail!(
+                "parameter {name} holds {} entries along dimension {dim}, but the plan gives \
+                 this rank {} of the global {global:?}",
+                whole.shape[dim],
+                local_offset[dim]
+            );
+        }
+        Ok(slices)
+    }
+}
+
+/// AdamW moments of every parameter that has them, as `(parameter, stored name, tensor)` plus
+/// step counts. The tied copy of the token embedding is skipped: its moments equal the
+/// embedding's.
 struct CollectMoments<'a, B: AutodiffBackend> {
     records: &'a ChunksRecord<B>,
-    tensors: Vec<(String, TensorData)>,
+    tensors: Vec<(String, String, TensorData)>,
     steps: BTreeMap<String, usize>,
 }
 
@@ -154,18 +240,22 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
         }
         let state: AdamWState<B::InnerBackend, D> = record.clone().into_state();
         let momentum = state.momentum;
-        self.tensors
-            .push((format!("{EXP_AVG}{name}"), momentum.moment_1.into_data()));
-        self.tensors
-            .push((format!("{EXP_AVG_SQ}{name}"), momentum.moment_2.into_data()));
+        for (prefix, moment) in [
+            (EXP_AVG, momentum.moment_1),
+            (EXP_AVG_SQ, momentum.moment_2),
+        ] {
+            let stored = format!("{prefix}{name}");
+            self.tensors
+                .push((name.to_string(), stored, moment.into_data()));
+        }
         self.steps.insert(name.to_string(), momentum.time);
     }
 }
 
 /// Writes a committed checkpoint of this rank's `model` chunks, their optimizer state and
 /// `state` under `root`: every rank of `world` writes its own shard (what it holds, see the
-/// module doc; `data_rank` is its rank among data-parallel replicas), and rank 0 commits once
-/// all are written. Returns the directory.
+/// module doc; `data_rank` is its rank among data-parallel replicas, `layout` places its
+/// tensor-parallel parts), and rank 0 commits once all are written. Returns the directory.
 pub fn save<B: AutodiffBackend>(
     root: &Path,
     model: &GptChunks<B>,
@@ -173,6 +263,7 @@ pub fn save<B: AutodiffBackend>(
     mut state: TrainState,
     world: &ProcessGroup,
     data_rank: usize,
+    layout: &ModelLayout,
 ) -> anyhow::Result<PathBuf> {
     let first_replica = data_rank == 0;
     let mut slices = Vec::new();
@@ -185,7 +276,9 @@ pub fn save<B: AutodiffBackend>(
             .flat_map(|chunk| collect_params(chunk, chunk.first_block))
             .filter(|(name, _, _)| name != TIED_COPY);
         for (name, _, data) in params {
-            slices.push(to_slice(name, data)?);
+            if layout.stores(&name)? {
+                slices.extend(layout.slices(&name, name.clone(), data)?);
+            }
         }
     }
     match optimizers {
@@ -197,8 +290,10 @@ pub fn save<B: AutodiffBackend>(
                 steps: BTreeMap::new(),
             };
             model.for_each_param(&mut moments);
-            for (name, data) in moments.tensors {
-                slices.push(to_slice(name, data)?);
+            for (name, stored, data) in moments.tensors {
+                if layout.stores(&name)? {
+                    slices.extend(layout.slices(&name, stored, data)?);
+                }
             }
             steps = moments.steps;
         }
@@ -272,48 +367,60 @@ fn piece_slices(name: &str, piece: &Piece) -> Vec<TensorSlice> {
         .collect()
 }
 
-/// The tensors of a checkpoint by name, each joined from its slices: a whole tensor, or the
-/// pieces of a flattened one (which must cover it exactly).
+/// The tensors of a checkpoint by name, each joined from its slices: a whole tensor, or boxes of
+/// it (tensor-parallel parts, or pieces of a flattened tensor under ZeRO) that must cover it
+/// exactly once.
 fn join_slices(slices: Vec<TensorSlice>) -> anyhow::Result<BTreeMap<String, TensorData>> {
     let mut by_name: BTreeMap<String, Vec<TensorSlice>> = BTreeMap::new();
     for slice in slices {
         by_name.entry(slice.name.clone()).or_default().push(slice);
     }
     let mut tensors = BTreeMap::new();
-    for (name, mut pieces) in by_name {
-        if pieces.len() == 1 && pieces[0].shape == pieces[0].global_shape {
-            let (name, data) = to_data(pieces.remove(0))?;
+    for (name, mut boxes) in by_name {
+        if boxes.len() == 1 && boxes[0].shape == boxes[0].global_shape {
+            let (name, data) = to_data(boxes.remove(0))?;
             tensors.insert(name, data);
             continue;
         }
-        pieces.sort_by_key(|p| p.offset.first().copied().unwrap_or_default());
-        let total = pieces[0].global_shape.clone();
-        let mut bytes = Vec::new();
-        let mut next = 0;
-        for piece in &pieces {
-            if piece.global_shape.len() != 1
-                || piece.global_shape != total
-                || piece.offset[0] != next
-            {
+        let (global, dtype) = (boxes[0].global_shape.clone(), boxes[0].dtype);
+        let numel: usize = global.iter().product();
+        let elem = dtype.size();
+        let mut bytes = vec![0; numel * elem];
+        // How many boxes cover each element (one byte per element: a box of this tensor's
+        // one-byte "dtype").
+        let mut cover = vec![0u8; numel];
+        for part in &boxes {
+            if part.global_shape != global || part.dtype != dtype {
                 bail!(
-                    "tensor {name}: its pieces do not tile it (a piece at {:?} of {:?} of global \
-                     shape {:?}, expected one at [{next}] of shape {total:?})",
-                    piece.offset,
-                    piece.shape,
-                    piece.global_shape
+                    "tensor {name}: its slices disagree on the whole tensor ({:?} {:?} and {:?} \
+                     {global:?})",
+                    part.dtype,
+                    part.global_shape,
+                    dtype
                 );
             }
-            next += piece.shape[0];
-            bytes.extend_from_slice(&piece.bytes);
+            store::paste_box(
+                &mut bytes,
+                elem,
+                &global,
+                &part.offset,
+                &part.shape,
+                &part.bytes,
+            );
+            let seen = store::cut_box(&cover, 1, &global, &part.offset, &part.shape);
+            let once: Vec<u8> = seen.iter().map(|c| c.saturating_add(1)).collect();
+            store::paste_box(&mut cover, 1, &global, &part.offset, &part.shape, &once);
         }
-        if next != total[0] {
+        let covered = cover.iter().filter(|&&c| c == 1).count();
+        if covered != numel {
+            let twice = cover.iter().filter(|&&c| c > 1).count();
             bail!(
-                "tensor {name}: its pieces cover {next} of {} elements",
-                total[0]
+                "tensor {name}: its {} slices do not tile its shape {global:?}: {covered} of \
+                 {numel} elements are covered once, {twice} more than once",
+                boxes.len()
             );
         }
-        let dtype = pieces[0].dtype;
-        let (_, data) = to_data(TensorSlice::whole(name.clone(), dtype, total, bytes))?;
+        let (_, data) = to_data(TensorSlice::whole(name.clone(), dtype, global, bytes))?;
         tensors.insert(name, data);
     }
     Ok(tensors)
@@ -412,30 +519,26 @@ impl Loaded {
         Ok(load_params(model, first, needed, &source)?)
     }
 
-    /// Every chunk with the checkpoint's parameters (see [`Loaded::apply_params`]).
-    pub fn apply_params_to_chunks<B: Backend>(
-        &self,
-        model: GptChunks<B>,
-    ) -> anyhow::Result<GptChunks<B>> {
-        let chunks = model
-            .chunks
-            .into_iter()
-            .map(|chunk| self.apply_params(chunk))
-            .collect::<anyhow::Result<_>>()?;
-        Ok(GptChunks { chunks })
-    }
-
-    /// The moment `prefix` (`EXP_AVG` or `EXP_AVG_SQ`) of the parameter stored as `stored`, in
-    /// the parameter's `shape` (a flattened moment of as many elements is reshaped).
+    /// The moment `prefix` (`EXP_AVG` or `EXP_AVG_SQ`) of the parameter stored as `stored`, as
+    /// this rank holds it: its part under `plan` (see [`TpPlan::local_part`]) of the whole
+    /// moment (a flattened one is first reshaped), which must come out in the parameter's
+    /// `shape`.
     fn moment<B: Backend, const D: usize>(
         &self,
         prefix: &str,
         stored: &str,
         shape: [usize; D],
+        plan: &TpPlan,
         device: &B::Device,
     ) -> Option<Tensor<B, D>> {
         let data = self.moments.get(&format!("{prefix}{stored}"))?;
-        Some(Tensor::from_data(shaped(data, &shape)?, device))
+        let global = self
+            .params
+            .get(stored)
+            .map_or(shape.to_vec(), |p| p.shape.to_vec());
+        let whole = Tensor::<B, D>::from_data(shaped(data, &global)?, device);
+        let part = plan.local_part(stored, whole);
+        (part.dims() == shape).then_some(part)
     }
 
     /// The moments of every parameter of `model` that has them, flat, by id (to restore a
@@ -444,8 +547,10 @@ impl Loaded {
         &self,
         model: &GptChunks<B>,
     ) -> anyhow::Result<std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>> {
+        let plan = TpPlan::serial();
         struct Gather<'a, B: AutodiffBackend> {
             loaded: &'a Loaded,
+            plan: &'a TpPlan,
             found: std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>,
             error: Option<anyhow::Error>,
         }
@@ -461,7 +566,7 @@ impl Loaded {
                 let take = |prefix: &str| {
                     let moment = self
                         .loaded
-                        .moment::<B::InnerBackend, D>(prefix, stored, shape, &device);
+                        .moment::<B::InnerBackend, D>(prefix, stored, shape, self.plan, &device);
                     moment.map(|m| m.reshape([numel]))
                 };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
@@ -487,6 +592,7 @@ impl Loaded {
         }
         let mut gather = Gather::<B> {
             loaded: self,
+            plan: &plan,
             found: Default::default(),
             error: None,
         };
@@ -497,14 +603,17 @@ impl Loaded {
         }
     }
 
-    /// Restores AdamW's moments onto `optimizer`, keyed by the ids of `model`'s parameters.
+    /// Restores AdamW's moments onto `optimizer`, keyed by the ids of `model`'s parameters
+    /// (this rank's parts of them under `plan`).
     pub fn apply_moments<B: AutodiffBackend>(
         &self,
         model: &GptChunks<B>,
         optimizer: &ChunksOptimizer<B>,
+        plan: &TpPlan,
     ) -> anyhow::Result<()> {
         struct Restore<'a, B: AutodiffBackend> {
             loaded: &'a Loaded,
+            plan: &'a TpPlan,
             records: ChunksRecord<B>,
             error: Option<anyhow::Error>,
         }
@@ -516,7 +625,10 @@ impl Loaded {
                 };
                 let value = param.val().inner();
                 let (device, shape) = (value.device(), value.dims());
-                let take = |prefix: &str| self.loaded.moment(prefix, stored, shape, &device);
+                let take = |prefix: &str| {
+                    self.loaded
+                        .moment(prefix, stored, shape, self.plan, &device)
+                };
                 match (take(EXP_AVG), take(EXP_AVG_SQ)) {
                     (Some(m1), Some(m2)) => {
                         let state = AdamWState::new(AdaptiveMomentumState::new(time, m1, m2));
@@ -538,6 +650,7 @@ impl Loaded {
         }
         let mut restore = Restore::<B> {
             loaded: self,
+            plan,
             records: Default::default(),
             error: None,
         };

@@ -23,7 +23,7 @@
 //! [`commit`] writes the manifest and publishes the directory. [`write_checkpoint`] strings them
 //! together for a single writer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::fs::{self, File};
 use std::io::{self, Write};
@@ -359,28 +359,42 @@ pub fn create_staging(root: &Path, step: u64) -> Result<PathBuf, CheckpointError
 /// Writes rank `rank`'s slices to `staging/rank-{rank:05}.safetensors`, fsyncs it and returns
 /// the manifest entry to pass to [`commit`].
 ///
-/// The slices are validated first; names must be unique within the file. Their global shape and
-/// offset go into the safetensors metadata under each tensor's name. The file is built in memory,
-/// so peak memory is about twice the shard's size.
+/// The slices are validated first. Their global shape and offset go into the safetensors
+/// metadata under each tensor's key in the file: its name, or, for the second and later boxes of
+/// one tensor in the file (the sections of a tensor-parallel fused projection), `name#1`,
+/// `name#2`, … (see [`file_key`]). The file is built in memory, so peak memory is about twice the
+/// shard's size.
 pub fn write_shard(
     staging: &Path,
     rank: usize,
     slices: &[TensorSlice],
 ) -> Result<FileEntry, CheckpointError> {
-    let mut seen = HashSet::new();
+    // The slices written so far, by tensor name.
+    let mut boxes: HashMap<&str, Vec<&TensorSlice>> = HashMap::new();
     let mut metadata = HashMap::new();
     let mut views = Vec::with_capacity(slices.len());
+    let mut keys = Vec::with_capacity(slices.len());
     for slice in slices {
         slice.validate()?;
-        if !seen.insert(slice.name.as_str()) {
+        let earlier = boxes.entry(slice.name.as_str()).or_default();
+        if earlier
+            .iter()
+            .any(|e| e.offset == slice.offset && e.shape == slice.shape)
+        {
             return Err(CheckpointError::InvalidSlice {
                 name: slice.name.clone(),
-                reason: format!("appears twice in rank {rank}'s shard"),
+                reason: format!(
+                    "the box {:?} at {:?} appears twice in rank {rank}'s shard",
+                    slice.shape, slice.offset
+                ),
             });
         }
+        let key = file_key(&slice.name, earlier.len());
+        earlier.push(slice);
         let info =
             serde_json::json!({ "global_shape": slice.global_shape, "offset": slice.offset });
-        metadata.insert(slice.name.clone(), info.to_string());
+        metadata.insert(key.clone(), info.to_string());
+        keys.push(key);
         let view = TensorView::new(
             slice.dtype.to_safetensors(),
             slice.shape.clone(),
@@ -390,8 +404,9 @@ pub fn write_shard(
             name: slice.name.clone(),
             reason: e.to_string(),
         })?;
-        views.push((slice.name.as_str(), view));
+        views.push(view);
     }
+    let views = keys.iter().map(String::as_str).zip(views);
     let name = shard_file_name(rank);
     let path = staging.join(&name);
     let data = safetensors::serialize(views, Some(metadata))
@@ -401,8 +416,90 @@ pub fn write_shard(
         path: name,
         sha256: sha256_hex(&data),
         bytes: data.len() as u64,
-        tensors: slices.iter().map(|s| s.name.clone()).collect(),
+        tensors: keys,
     })
+}
+
+/// The key under which a file holds box number `index` (0-based, in writing order) of tensor
+/// `name`: the name itself for the first, `name#index` after.
+pub fn file_key(name: &str, index: usize) -> String {
+    match index {
+        0 => name.to_string(),
+        _ => format!("{name}#{index}"),
+    }
+}
+
+/// The tensor name of a file key (see [`file_key`]).
+fn name_of_key(key: &str) -> &str {
+    match key.rsplit_once('#') {
+        Some((name, index)) if index.parse::<usize>().is_ok() => name,
+        _ => key,
+    }
+}
+
+/// The start (in elements) of every contiguous run of the box `offset`/`shape` in a row-major
+/// tensor of shape `full`, in row-major order; each run is the box's last extent long.
+fn box_runs(full: &[usize], offset: &[usize], shape: &[usize]) -> Vec<usize> {
+    let Some((&run, outer)) = shape.split_last() else {
+        return vec![0];
+    };
+    if run == 0 || outer.contains(&0) {
+        return Vec::new();
+    }
+    let mut strides = vec![1; full.len()];
+    for d in (0..full.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * full[d + 1];
+    }
+    let mut index = vec![0; outer.len()];
+    let mut runs = Vec::new();
+    loop {
+        let start = (0..shape.len())
+            .map(|d| (offset[d] + index.get(d).copied().unwrap_or(0)) * strides[d])
+            .sum();
+        runs.push(start);
+        // Odometer over the outer dimensions, last fastest.
+        let Some(d) = (0..outer.len()).rev().find(|&d| index[d] + 1 < outer[d]) else {
+            return runs;
+        };
+        index[d] += 1;
+        index[d + 1..].iter_mut().for_each(|i| *i = 0);
+    }
+}
+
+/// The bytes of the box `offset`/`shape` of the row-major tensor `bytes` of shape `full`
+/// (`elem` bytes per element).
+pub fn cut_box(
+    bytes: &[u8],
+    elem: usize,
+    full: &[usize],
+    offset: &[usize],
+    shape: &[usize],
+) -> Vec<u8> {
+    let run = shape.last().copied().unwrap_or(1) * elem;
+    box_runs(full, offset, shape)
+        .into_iter()
+        .flat_map(|start| &bytes[start * elem..start * elem + run])
+        .copied()
+        .collect()
+}
+
+/// Writes `part`, the bytes of the box `offset`/`shape`, into the row-major tensor `bytes` of
+/// shape `full` (`elem` bytes per element).
+pub fn paste_box(
+    bytes: &mut [u8],
+    elem: usize,
+    full: &[usize],
+    offset: &[usize],
+    shape: &[usize],
+    part: &[u8],
+) {
+    let run = shape.last().copied().unwrap_or(1) * elem;
+    for (start, source) in box_runs(full, offset, shape)
+        .into_iter()
+        .zip(part.chunks(run.max(1)))
+    {
+        bytes[start * elem..start * elem + run].copy_from_slice(source);
+    }
 }
 
 /// Publishes a staging directory as `ROOT/step-{step:08}` and returns that path.
@@ -659,7 +756,7 @@ fn parse_shard(
             let placement: SliceInfo = serde_json::from_str(text)
                 .map_err(|e| format_err(path, format!("tensor `{name}` slice metadata: {e}")))?;
             let slice = TensorSlice {
-                name: name.clone(),
+                name: name_of_key(name).to_string(),
                 dtype,
                 global_shape: placement.global_shape,
                 offset: placement.offset,
@@ -699,6 +796,25 @@ pub fn prune(root: &Path, keep_last: usize) -> Result<Vec<PathBuf>, CheckpointEr
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Cutting boxes out of a 3-D tensor and pasting them back rebuilds it, and the file key of
+    /// a tensor's second box reads back as its name.
+    #[test]
+    fn boxes_cut_and_paste_row_major() {
+        let full = [2, 3, 4];
+        let bytes: Vec<u8> = (0..24).collect();
+        let middle = cut_box(&bytes, 1, &full, &[0, 1, 1], &[2, 2, 2]);
+        assert_eq!(middle, [5, 6, 9, 10, 17, 18, 21, 22]);
+        let mut rebuilt = vec![0; 24];
+        for (offset, shape) in [([0, 0, 0], [2, 3, 1]), ([0, 0, 1], [2, 3, 3])] {
+            let part = cut_box(&bytes, 1, &full, &offset, &shape);
+            paste_box(&mut rebuilt, 1, &full, &offset, &shape, &part);
+        }
+        assert_eq!(rebuilt, bytes);
+        assert_eq!(cut_box(&bytes, 4, &[6], &[1], &[2]), bytes[4..12]);
+        assert_eq!(name_of_key(&file_key("a.weight", 2)), "a.weight");
+        assert_eq!(name_of_key("a#b"), "a#b");
+    }
 
     /// A fresh, empty directory under the system temp dir; removed when dropped.
     struct TempRoot(PathBuf);

@@ -27,7 +27,8 @@ pub struct StepOutput {
     pub mfu: Option<f64>,
     /// The largest measured pipeline bubble over the ranks (pipeline runs only).
     pub bubble: Option<f64>,
-    /// Time in data-parallel collectives during the step (see `StepRecord::comm_ms`).
+    /// Time in data- and tensor-parallel collectives during the step (see
+    /// `StepRecord::comm_ms`).
     pub comm_ms: Option<f64>,
 }
 

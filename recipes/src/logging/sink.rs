@@ -25,7 +25,8 @@ pub struct StepRecord {
     pub step_time_ms: f64,
     /// Time rank 0 spent in the data-parallel gradient reduction (and, under ZeRO 3, in the
     /// parameter all-gathers of the forward and backward; the all-gather that follows a ZeRO
-    /// 1/2 update is not counted).
+    /// 1/2 update is not counted), plus its tensor-parallel collectives (those inside the
+    /// forwards and backwards, and the sequence-parallel gradient sums).
     pub comm_ms: f64,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -6,6 +6,7 @@ use std::ops::Range;
 use burn::module::{Module, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use wildfire_backend::collective::CollectiveBackend;
 
 use super::params::{ParamFn, for_each_param};
 use super::{Gpt, StageSpec};
@@ -47,11 +48,19 @@ impl<B: Backend> GptChunks<B> {
     }
 
     /// Logits of token ids, through the chunks in order: for a rank that holds every stage.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let (first, last) = (&self.chunks[0], &self.chunks[self.chunks.len() - 1]);
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>
+    where
+        B: CollectiveBackend,
+    {
+        let (first, last) = (&self.chunks[0], self.last());
         let x = first.embed(tokens);
         let x = self.chunks.iter().fold(x, |x, chunk| chunk.run_blocks(x));
         last.logits(x)
+    }
+
+    /// The last chunk (the one with the head, on a rank that holds every stage).
+    pub fn last(&self) -> &Gpt<B> {
+        &self.chunks[self.chunks.len() - 1]
     }
 
     /// Calls `f` on every float parameter with its global name (chunks in order).
@@ -67,7 +76,7 @@ impl<B: Backend> GptChunks<B> {
         let embedding = self
             .chunks
             .iter()
-            .find_map(|c| c.embeddings.as_ref().map(|e| e.wte.weight.id));
+            .find_map(|c| c.embeddings.as_ref().map(|e| e.wte.weight().id));
         let copy = self
             .chunks
             .iter()

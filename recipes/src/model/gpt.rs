@@ -5,6 +5,8 @@
 //! …) so that importing and exporting weights is a rename of the block prefix and of LayerNorm's
 //! gamma/beta. Linear weights are stored `[in, out]` (Burn's row layout, like GPT-2's Conv1D).
 
+use std::ops::Range;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
@@ -12,7 +14,16 @@ use burn::nn::{
 };
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Bool, Distribution, Int, Tensor};
+use wildfire_backend::collective::{
+    CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
+    scatter_to_parallel_region,
+};
+use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_parallel::tp::{
+    ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+};
 
 use super::{GptConfig, StageSpec};
 
@@ -21,10 +32,161 @@ const INIT_STD: f64 = 0.02;
 /// LayerNorm epsilon of GPT-2.
 const LN_EPS: f64 = 1e-5;
 
+/// The tensor-parallel plan of the GPT (Megatron-LM's): attention split by heads (the fused QKV
+/// projection column-parallel per section, so each rank gets the same heads of Q, K and V; the
+/// output projection row-parallel), the MLP column- then row-parallel, the vocabulary split in
+/// the token embedding and the LM head (and in a tied head's copy of the embedding), the
+/// LayerNorms in the sequence-parallel region. Everything else (the position embedding) is
+/// replicated.
+pub const TP_PLAN: &[(&str, TpStyle)] = &[
+    ("embeddings.wte", TpStyle::VocabRows),
+    ("blocks.*.ln_1", TpStyle::SequenceRegion),
+    ("blocks.*.attn.c_attn", TpStyle::Column { sections: 3 }),
+    ("blocks.*.attn.c_proj", TpStyle::Row),
+    ("blocks.*.ln_2", TpStyle::SequenceRegion),
+    ("blocks.*.mlp.c_fc", TpStyle::Column { sections: 1 }),
+    ("blocks.*.mlp.c_proj", TpStyle::Row),
+    ("head.ln_f", TpStyle::SequenceRegion),
+    ("head.lm_head", TpStyle::Column { sections: 1 }),
+    ("head.wte", TpStyle::VocabRows),
+];
+
+/// A model's place in its tensor-parallel group: the group, whether the residual stream is
+/// split along the sequence (sequence parallelism), and the vocabulary size (whose rows the
+/// ranks split, `split_ranges`).
+#[derive(Debug, Clone)]
+pub struct TensorParallel {
+    pub group: ProcessGroup,
+    pub sequence_parallel: bool,
+    pub vocab: usize,
+}
+
+/// A part of an activation of the serial model: `range` of its `whole` entries along `dim`.
+#[derive(Debug, Clone)]
+pub struct Part {
+    pub dim: usize,
+    pub range: Range<usize>,
+    pub whole: usize,
+}
+
+impl TensorParallel {
+    /// The part of the sequence a residual-stream tensor with `local` positions holds (under
+    /// sequence parallelism; the whole otherwise).
+    fn sequence_part(tp: Option<&Self>, local: usize) -> Option<Part> {
+        let tp = tp.filter(|tp| tp.sequence_parallel)?;
+        let start = tp.group.rank() * local;
+        Some(Part {
+            dim: 1,
+            range: start..start + local,
+            whole: local * tp.group.size(),
+        })
+    }
+}
+
+/// A collective inside the model's forward. The forward has no error path (Burn's modules
+/// return tensors), so a failed collective (a peer that died) ends this rank with its cause.
+fn collective<T>(result: Result<T, CommError>) -> T {
+    result.unwrap_or_else(|error| panic!("tensor-parallel collective failed: {error}"))
+}
+
+/// Dropout of `x`, which is `part` of the serial model's activation (the whole when `None`): the
+/// mask is drawn for the whole activation and cut, so every rank of a tensor-parallel group
+/// draws the same numbers. Masks therefore agree where ranks hold the same activation (outside
+/// the tensor-parallel region), differ where they hold different heads or sequence parts, and
+/// equal the serial model's masks for the same seed.
+fn dropout_part<B: Backend, const D: usize>(
+    dropout: &Dropout,
+    x: Tensor<B, D>,
+    part: Option<Part>,
+) -> Tensor<B, D> {
+    let device = x.device();
+    if !B::ad_enabled(&device) || dropout.prob == 0.0 {
+        return x;
+    }
+    let keep = 1.0 - dropout.prob;
+    let mut whole = x.dims();
+    if let Some(part) = &part {
+        whole[part.dim] = part.whole;
+    }
+    let mut mask = Tensor::<B, D>::random(whole, Distribution::Bernoulli(keep), &device);
+    if let Some(part) = part {
+        mask = mask.narrow(part.dim, part.range.start, part.range.len());
+    }
+    (x * mask) * (1.0 / keep)
+}
+
+/// A linear layer of the GPT: whole, or this rank's part of it under tensor parallelism.
+#[derive(Module, Debug)]
+pub enum GptLinear<B: Backend> {
+    Whole(Linear<B>),
+    Column(ColumnParallelLinear<B>),
+    Row(RowParallelLinear<B>),
+}
+
+impl<B: CollectiveBackend> GptLinear<B> {
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Self::Whole(linear) => linear.forward(x),
+            Self::Column(linear) => collective(linear.forward(x)),
+            Self::Row(linear) => collective(linear.forward(x)),
+        }
+    }
+}
+
+impl<B: Backend> GptLinear<B> {
+    /// The weight (`[in, out]`, or this rank's part of it).
+    pub fn weight(&self) -> &Param<Tensor<B, 2>> {
+        match self {
+            Self::Whole(linear) => &linear.weight,
+            Self::Column(linear) => &linear.weight,
+            Self::Row(linear) => &linear.weight,
+        }
+    }
+
+    /// The layer at `path` as `plan` splits it over `group` (unchanged where the plan has no
+    /// rule for it): built from this whole layer's weights, so the parts are bitwise slices.
+    fn shard(self, path: &str, plan: &TpPlan, group: &ProcessGroup, sp: bool) -> Self
+    where
+        B: CollectiveBackend,
+    {
+        let Self::Whole(linear) = self else {
+            return self;
+        };
+        let (weight, bias) = (linear.weight.val(), linear.bias.as_ref().map(|b| b.val()));
+        match plan.style(path) {
+            Some(TpStyle::Column { sections }) => Self::Column(
+                ColumnParallelLinear::from_full(weight, bias, sections, group, false)
+                    .with_sequence_parallel(sp),
+            ),
+            Some(TpStyle::Row) => Self::Row(
+                RowParallelLinear::from_full(weight, bias, group).with_sequence_parallel(sp),
+            ),
+            _ => Self::Whole(linear),
+        }
+    }
+}
+
+/// The token embedding: the whole table, or this rank's vocabulary rows.
+#[derive(Module, Debug)]
+pub enum TokenEmbedding<B: Backend> {
+    Whole(Embedding<B>),
+    Vocab(VocabParallelEmbedding<B>),
+}
+
+impl<B: Backend> TokenEmbedding<B> {
+    /// The table (`[V, d]`, or this rank's rows of it).
+    pub fn weight(&self) -> &Param<Tensor<B, 2>> {
+        match self {
+            Self::Whole(embedding) => &embedding.weight,
+            Self::Vocab(embedding) => &embedding.weight,
+        }
+    }
+}
+
 /// Token and learned position embeddings, `h₀ = dropout(wte[x] + wpe[0..T])`.
 #[derive(Module, Debug)]
 pub struct Embeddings<B: Backend> {
-    pub wte: Embedding<B>,
+    pub wte: TokenEmbedding<B>,
     pub wpe: Embedding<B>,
     pub dropout: Dropout,
 }
@@ -34,19 +196,20 @@ pub struct Embeddings<B: Backend> {
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention<B: Backend> {
     /// Fused Q, K, V projection, `[d, 3d]`.
-    pub c_attn: Linear<B>,
+    pub c_attn: GptLinear<B>,
     /// Output projection, `[d, d]` (a residual projection: scaled initialisation).
-    pub c_proj: Linear<B>,
+    pub c_proj: GptLinear<B>,
     pub attn_dropout: Dropout,
     pub resid_dropout: Dropout,
+    /// The heads this module computes: all of them, or this tensor-parallel rank's.
     pub n_head: usize,
 }
 
 /// `c_proj(gelu_tanh(c_fc(x)))`, hidden width 4d.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    pub c_fc: Linear<B>,
-    pub c_proj: Linear<B>,
+    pub c_fc: GptLinear<B>,
+    pub c_proj: GptLinear<B>,
     pub dropout: Dropout,
 }
 
@@ -63,7 +226,7 @@ pub struct Block<B: Backend> {
 #[derive(Module, Debug)]
 pub struct Head<B: Backend> {
     pub ln_f: LayerNorm<B>,
-    pub lm_head: Option<Linear<B>>,
+    pub lm_head: Option<GptLinear<B>>,
     /// A tied head on another pipeline stage than the embedding: its own copy of `wte`
     /// (`[V, d]`, named [`TIED_COPY`]). Both copies start equal and receive the sum of their two
     /// gradients, so they stay equal; checkpoints store only `embeddings.wte.weight`.
@@ -84,23 +247,25 @@ pub struct Gpt<B: Backend> {
     pub head: Option<Head<B>>,
     /// Global index of `blocks[0]`.
     pub first_block: usize,
+    /// Under tensor parallelism, the group and how this rank's part sits in the whole.
+    #[module(skip)]
+    pub tp: Option<TensorParallel>,
 }
 
 /// A linear layer initialised as GPT-2 does: weights N(0, std²), biases zero. Every linear layer
-/// of the model is built here, the one place a tensor-parallel plan (keyed by parameter path,
-/// `blocks.3.attn.c_attn`) will substitute sharded layers.
+/// of the model is built here, whole; [`Gpt::shard`] then splits those [`TP_PLAN`] names.
 fn linear<B: Backend>(
     [d_in, d_out]: [usize; 2],
     bias: bool,
     std: f64,
     device: &B::Device,
-) -> Linear<B> {
+) -> GptLinear<B> {
     let mut layer = LinearConfig::new(d_in, d_out)
         .with_bias(bias)
         .with_initializer(Initializer::Normal { mean: 0.0, std })
         .init(device);
     layer.bias = layer.bias.map(|b| Param::from_tensor(b.val().zeros_like()));
-    layer
+    GptLinear::Whole(layer)
 }
 
 /// Draws every lazily initialised parameter (Burn initialises a parameter on its first use) in
@@ -149,56 +314,97 @@ impl<B: Backend> Block<B> {
             },
         }
     }
+}
 
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+impl<B: CollectiveBackend> Block<B> {
+    /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
+    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), tp);
+        x.clone() + self.mlp.forward(self.ln_2.forward(x), tp)
+    }
+
+    /// This block with the layers `plan` names split over `tp.group`; `index` is its global
+    /// index (the plan's paths name it).
+    fn shard(self, index: usize, plan: &TpPlan, tp: &TensorParallel) -> Self {
+        let (group, sp) = (&tp.group, tp.sequence_parallel);
+        let at = |layer: &str| format!("blocks.{index}.{layer}");
+        let c_attn = self.attn.c_attn.shard(&at("attn.c_attn"), plan, group, sp);
+        let heads = match &c_attn {
+            GptLinear::Whole(_) => self.attn.n_head,
+            _ => self.attn.n_head / group.size(),
+        };
+        Self {
+            attn: CausalSelfAttention {
+                c_attn,
+                c_proj: self.attn.c_proj.shard(&at("attn.c_proj"), plan, group, sp),
+                n_head: heads,
+                ..self.attn
+            },
+            mlp: Mlp {
+                c_fc: self.mlp.c_fc.shard(&at("mlp.c_fc"), plan, group, sp),
+                c_proj: self.mlp.c_proj.shard(&at("mlp.c_proj"), plan, group, sp),
+                ..self.mlp
+            },
+            ..self
+        }
     }
 }
 
-impl<B: Backend> CausalSelfAttention<B> {
-    /// `x: [batch, seq, d] → [batch, seq, d]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [batch, seq, d] = x.dims();
-        let heads = self.n_head;
+impl<B: CollectiveBackend> CausalSelfAttention<B> {
+    /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
+    /// the sequence in and out; the QKV projection gathers the whole sequence).
+    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
+        let qkv = self.c_attn.forward(x);
+        let [batch, seq, width] = qkv.dims();
+        let (heads, d) = (self.n_head, width / 3);
         let split_heads =
             |t: Tensor<B, 3>| t.reshape([batch, seq, heads, d / heads]).swap_dims(1, 2);
-        let mut qkv = self
-            .c_attn
-            .forward(x)
-            .chunk(3, 2)
-            .into_iter()
-            .map(split_heads);
+        let mut qkv = qkv.chunk(3, 2).into_iter().map(split_heads);
         let (q, k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
             (Some(q), Some(k), Some(v)) => (q, k, v),
             _ => unreachable!("chunk(3) of a [.., 3d] tensor yields three tensors"),
         };
-        let y = causal_attention(q, k, v, &self.attn_dropout);
-        let y = y.swap_dims(1, 2).reshape([batch, seq, d]);
-        self.resid_dropout.forward(self.c_proj.forward(y))
+        // This rank's heads are a contiguous range of all of them (the QKV columns are split
+        // per section, at head boundaries).
+        let head_part = tp.map(|tp| Part {
+            dim: 1,
+            range: tp.group.rank() * heads..(tp.group.rank() + 1) * heads,
+            whole: heads * tp.group.size(),
+        });
+        let y = causal_attention(q, k, v, &self.attn_dropout, head_part);
+        let y = self
+            .c_proj
+            .forward(y.swap_dims(1, 2).reshape([batch, seq, d]));
+        let part = TensorParallel::sequence_part(tp, y.dims()[1]);
+        dropout_part(&self.resid_dropout, y, part)
     }
 }
 
 /// `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq, d_head]` tensors, M = −∞ where the key
-/// comes after the query. The decomposed form: fused attention replaces it in a later issue.
+/// comes after the query; the attention weights' dropout mask is `heads`'s part of the whole
+/// model's (see [`dropout_part`]). The decomposed form: fused attention replaces it in a later
+/// issue.
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     dropout: &Dropout,
+    heads: Option<Part>,
 ) -> Tensor<B, 4> {
     let [_, _, seq, d_head] = q.dims();
     // Scaling Q (T·d_head entries per head) rather than the scores (T·T) is the same product.
     let scores = (q * (1.0 / (d_head as f64).sqrt())).matmul(k.swap_dims(2, 3));
     let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
     let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
-    dropout.forward(softmax(scores, 3)).matmul(v)
+    dropout_part(dropout, softmax(scores, 3), heads).matmul(v)
 }
 
-impl<B: Backend> Mlp<B> {
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+impl<B: CollectiveBackend> Mlp<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
         let hidden = gelu_tanh(self.c_fc.forward(x));
-        self.dropout.forward(self.c_proj.forward(hidden))
+        let y = self.c_proj.forward(hidden);
+        let part = TensorParallel::sequence_part(tp, y.dims()[1]);
+        dropout_part(&self.dropout, y, part)
     }
 }
 
@@ -224,9 +430,11 @@ impl<B: Backend> Gpt<B> {
             std: INIT_STD,
         };
         let embeddings = stage.embedding.then(|| Embeddings {
-            wte: EmbeddingConfig::new(config.vocab_size, config.d_model)
-                .with_initializer(normal.clone())
-                .init(device),
+            wte: TokenEmbedding::Whole(
+                EmbeddingConfig::new(config.vocab_size, config.d_model)
+                    .with_initializer(normal.clone())
+                    .init(device),
+            ),
             wpe: EmbeddingConfig::new(config.context, config.d_model)
                 .with_initializer(normal.clone())
                 .init(device),
@@ -246,6 +454,7 @@ impl<B: Backend> Gpt<B> {
             blocks,
             head,
             first_block: stage.first_block,
+            tp: None,
         };
         model.visit(&mut DrawNow);
         model
@@ -258,7 +467,7 @@ impl<B: Backend> Gpt<B> {
     pub fn split(self, stages: &[StageSpec]) -> Vec<Self> {
         let tied_copy = match (&self.embeddings, &self.head) {
             (Some(embeddings), Some(head)) if head.lm_head.is_none() => {
-                Some(embeddings.wte.weight.val())
+                Some(embeddings.wte.weight().val())
             }
             _ => None,
         };
@@ -282,12 +491,65 @@ impl<B: Backend> Gpt<B> {
                     blocks: blocks.by_ref().take(stage.n_blocks).collect(),
                     head: stage_head,
                     first_block: stage.first_block,
+                    tp: self.tp.clone(),
                 }
             })
             .collect()
     }
+}
 
-    /// Token ids `[batch, seq]` → residual stream `[batch, seq, d]`.
+impl<B: CollectiveBackend> Gpt<B> {
+    /// This rank's part of the whole model under tensor parallelism over `group`: every layer
+    /// `plan` names is split as it says (the attention by heads, so each rank computes
+    /// `n_head / tp` of them), built from the whole layer's weights, so the parts are bitwise
+    /// slices of the serial model's parameters. Apply before [`Gpt::split`] into pipeline stages.
+    pub fn shard(self, plan: &TpPlan, group: &ProcessGroup, sequence_parallel: bool) -> Self {
+        let vocab = self
+            .embeddings
+            .as_ref()
+            .expect("shard() the whole model, before splitting it into pipeline stages")
+            .wte
+            .weight()
+            .val()
+            .dims()[0];
+        let tp = TensorParallel {
+            group: group.clone(),
+            sequence_parallel,
+            vocab,
+        };
+        let embeddings = self.embeddings.map(|embeddings| {
+            let wte = match (embeddings.wte, plan.style("embeddings.wte")) {
+                (TokenEmbedding::Whole(table), Some(TpStyle::VocabRows)) => TokenEmbedding::Vocab(
+                    VocabParallelEmbedding::from_full(table.weight.val(), group),
+                ),
+                (wte, _) => wte,
+            };
+            Embeddings { wte, ..embeddings }
+        });
+        let head = self.head.map(|head| Head {
+            lm_head: head
+                .lm_head
+                .map(|lm_head| lm_head.shard("head.lm_head", plan, group, sequence_parallel)),
+            ..head
+        });
+        let first = self.first_block;
+        let blocks = self
+            .blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, block)| block.shard(first + i, plan, &tp))
+            .collect();
+        Self {
+            embeddings,
+            blocks,
+            head,
+            first_block: first,
+            tp: Some(tp),
+        }
+    }
+
+    /// Token ids `[batch, seq]` → residual stream `[batch, seq, d]` (under sequence parallelism,
+    /// this rank's part of the sequence).
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let embeddings = self
             .embeddings
@@ -295,16 +557,28 @@ impl<B: Backend> Gpt<B> {
             .expect("embed() on a stage without embeddings");
         let [_, seq] = tokens.dims();
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &tokens.device()).unsqueeze();
-        let x = embeddings.wte.forward(tokens) + embeddings.wpe.forward(positions);
-        embeddings.dropout.forward(x)
+        let tokens = match &embeddings.wte {
+            TokenEmbedding::Whole(table) => table.forward(tokens),
+            TokenEmbedding::Vocab(table) => collective(table.forward(tokens)),
+        };
+        let mut x = tokens + embeddings.wpe.forward(positions);
+        let tp = self.tp.as_ref();
+        if let Some(tp) = tp.filter(|tp| tp.sequence_parallel) {
+            x = collective(scatter_to_parallel_region(x, &tp.group, 1));
+        }
+        let part = TensorParallel::sequence_part(tp, x.dims()[1]);
+        dropout_part(&embeddings.dropout, x, part)
     }
 
     /// The stage's blocks, in order.
     pub fn run_blocks(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.blocks.iter().fold(x, |x, block| block.forward(x))
+        let tp = self.tp.as_ref();
+        self.blocks.iter().fold(x, |x, block| block.forward(x, tp))
     }
 
-    /// Residual stream → logits `[batch, seq, V]`. A tied head multiplies by `wteᵀ`.
+    /// Residual stream → logits `[batch, seq, V]` (under tensor parallelism this rank's
+    /// vocabulary columns, `[batch, seq, V/tp]`, over the whole sequence). A tied head
+    /// multiplies by `wteᵀ` (this rank's rows of it).
     pub fn logits(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let head = self
             .head
@@ -316,8 +590,17 @@ impl<B: Backend> Gpt<B> {
         }
         let wte = match (&head.wte, &self.embeddings) {
             (Some(copy), _) => copy,
-            (None, Some(embeddings)) => &embeddings.wte.weight,
+            (None, Some(embeddings)) => embeddings.wte.weight(),
             (None, None) => unreachable!("split() gives a tied head without the embedding a copy"),
+        };
+        // The head is column-parallel in the vocabulary: its input enters the tensor-parallel
+        // region as a column-parallel layer's does.
+        let x = match &self.tp {
+            None => x,
+            Some(tp) if tp.sequence_parallel => {
+                collective(all_gather_from_sequence_region(x, &tp.group, 1))
+            }
+            Some(tp) => collective(copy_to_parallel_region(x, &tp.group)),
         };
         x.matmul(wte.val().transpose().unsqueeze())
     }
@@ -325,6 +608,21 @@ impl<B: Backend> Gpt<B> {
     /// Logits of the whole model.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.logits(self.run_blocks(self.embed(tokens)))
+    }
+
+    /// The summed next-token cross-entropy of `logits` (from [`Gpt::logits`]): under tensor
+    /// parallelism from this rank's vocabulary columns, without gathering the full logits, the
+    /// same value on every rank.
+    pub fn loss_sum(&self, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        match &self.tp {
+            None => cross_entropy_sum(logits, targets).0,
+            Some(tp) => {
+                let rows = &split_ranges(tp.vocab, tp.group.size())[tp.group.rank()];
+                collective(vocab_parallel_cross_entropy(
+                    logits, targets, rows.start, &tp.group,
+                ))
+            }
+        }
     }
 }
 

@@ -5,8 +5,9 @@
 //! - blocks carry their *global* index, so a pipeline stage holding blocks 4..8 names them
 //!   `blocks.4` … `blocks.7` in checkpoints ([`StageSpec`]);
 //! - the embeddings and the head are optional per stage;
-//! - every linear layer is built by one function (`gpt::linear`), named by its parameter path,
-//!   the place where a tensor-parallel plan will substitute sharded layers.
+//! - every linear layer is built whole by one function (`gpt::linear`); under tensor parallelism
+//!   `Gpt::shard` then replaces the layers the plan [`TP_PLAN`] names (by parameter path) with
+//!   their tensor-parallel parts.
 
 mod chunks;
 mod gpt;
@@ -14,8 +15,8 @@ pub mod params;
 
 pub use chunks::{GptChunks, stage_specs};
 pub use gpt::{
-    Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, TIED_COPY, TOKEN_EMBEDDING,
-    causal_attention, cross_entropy_sum, gelu_tanh,
+    Block, CausalSelfAttention, Embeddings, Gpt, GptLinear, Head, Mlp, TIED_COPY, TOKEN_EMBEDDING,
+    TP_PLAN, TensorParallel, TokenEmbedding, causal_attention, cross_entropy_sum, gelu_tanh,
 };
 
 use serde::{Deserialize, Serialize};
@@ -187,6 +188,7 @@ mod tests {
     use burn::tensor::{Int, Tensor};
 
     use super::*;
+    use crate::CpuBackend;
 
     #[test]
     fn parameter_counts_match_gpt2() {
@@ -242,9 +244,9 @@ mod tests {
     fn initial_loss_is_about_ln_vocab() {
         let config = Preset::Tiny.config(65);
         let device = Default::default();
-        Flex::seed(&device, 3);
-        let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &device);
-        let tokens = Tensor::<Flex, 1, Int>::arange(0..256, &device)
+        CpuBackend::seed(&device, 3);
+        let model = Gpt::<CpuBackend>::new(&config, StageSpec::whole(&config), &device);
+        let tokens = Tensor::<CpuBackend, 1, Int>::arange(0..256, &device)
             .remainder_scalar(65)
             .reshape([2, 128]);
         // Targets differ from inputs: with a tied head, a token's own embedding scores high.

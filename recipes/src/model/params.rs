@@ -20,8 +20,17 @@ struct PathStack {
     first_block: usize,
 }
 
+/// Burn enters an enum module's variant like a field (`c_attn.Column.weight`); a parameter's
+/// name leaves the variant out (`c_attn.weight`), so it is the same whichever variant holds it.
+fn is_variant(container: &str) -> bool {
+    container.starts_with("Enum:")
+}
+
 impl PathStack {
-    fn enter(&mut self, name: &str) {
+    fn enter(&mut self, name: &str, container: &str) {
+        if is_variant(container) {
+            return;
+        }
         // A block's local index inside `blocks` becomes its global index.
         let global = match (self.parts.last().map(String::as_str), name.parse::<usize>()) {
             (Some("blocks"), Ok(local)) if self.parts.len() == 1 => {
@@ -30,6 +39,12 @@ impl PathStack {
             _ => name.to_string(),
         };
         self.parts.push(global);
+    }
+
+    fn exit(&mut self, container: &str) {
+        if !is_variant(container) {
+            self.parts.pop();
+        }
     }
 
     fn name(&self, leaf: &str) -> String {
@@ -52,11 +67,11 @@ struct Visit<'a, F> {
 }
 
 impl<B: Backend, F: ParamFn<B>> ModuleVisitor<B> for Visit<'_, F> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
     }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.parts.pop();
+    fn exit_module(&mut self, _name: &str, container: &str) {
+        self.path.exit(container);
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         self.f.visit(&self.path.name(""), param);
@@ -140,11 +155,11 @@ pub fn load_params<B: Backend, M: Module<B>>(
         error: Option<LoadError>,
     }
     impl<B: Backend> ModuleMapper<B> for Load<'_> {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.enter(name);
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.path.enter(name, container);
         }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.parts.pop();
+        fn exit_module(&mut self, _name: &str, container: &str) {
+            self.path.exit(container);
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();

@@ -4,15 +4,17 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
 
 use wildfire_parallel::pp::PipelineChunk;
 
+use crate::TrainBackend;
 use crate::data::Sampler;
 use crate::logging::StepOutput;
-use crate::model::{Gpt, GptChunks, cross_entropy_sum};
+use crate::model::{Gpt, GptChunks};
+use wildfire_backend::collective::CollectiveBackend;
 
 /// Input windows `[batch, context]`, their next-token targets, and the factor that turns this
 /// batch's summed loss into its share of the step's mean: `1 / (tokens in the whole step)`.
@@ -52,14 +54,19 @@ impl<B: Backend> TokenBatch<B> {
 }
 
 /// The summed token loss of a batch (a one-element tensor) and its token count.
-fn batch_loss<B: Backend>(model: &GptChunks<B>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, usize) {
-    cross_entropy_sum(model.forward(batch.inputs.clone()), batch.targets.clone())
+fn batch_loss<B: CollectiveBackend>(
+    model: &GptChunks<B>,
+    batch: &TokenBatch<B>,
+) -> (Tensor<B, 1>, usize) {
+    let logits = model.forward(batch.inputs.clone());
+    let loss = model.last().loss_sum(logits, batch.targets.clone());
+    (loss, batch.tokens())
 }
 
 /// burn-train's single-device step, for a rank that holds every stage. The recipe's loop runs
 /// its steps through the pipeline executor instead (see [`PipelineChunk`] below), which does the
 /// same arithmetic on one rank.
-impl<B: AutodiffBackend> TrainStep for GptChunks<B> {
+impl<B: TrainBackend> TrainStep for GptChunks<B> {
     type Input = TokenBatch<B>;
     type Output = StepOutput;
 
@@ -81,7 +88,7 @@ impl<B: AutodiffBackend> TrainStep for GptChunks<B> {
     }
 }
 
-impl<B: Backend> InferenceStep for GptChunks<B> {
+impl<B: CollectiveBackend> InferenceStep for GptChunks<B> {
     type Input = TokenBatch<B>;
     type Output = StepOutput;
 
@@ -98,7 +105,7 @@ impl<B: Backend> InferenceStep for GptChunks<B> {
 /// A GPT stage in the pipeline: the first stage embeds the batch's inputs, the last applies the
 /// head and scores the targets. The loss to backpropagate is `loss_scale · Σ token losses`, the
 /// value reported is `Σ token losses`.
-impl<B: Backend> PipelineChunk<B> for Gpt<B> {
+impl<B: CollectiveBackend> PipelineChunk<B> for Gpt<B> {
     type Batch = TokenBatch<B>;
 
     fn forward(&self, input: Option<Tensor<B, 3>>, batch: &TokenBatch<B>) -> Tensor<B, 3> {
@@ -107,7 +114,7 @@ impl<B: Backend> PipelineChunk<B> for Gpt<B> {
     }
 
     fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, f64) {
-        let (loss_sum, _) = cross_entropy_sum(self.logits(output), batch.targets.clone());
+        let loss_sum = self.loss_sum(self.logits(output), batch.targets.clone());
         let value = loss_sum.clone().into_scalar().elem::<f64>();
         (loss_sum * batch.loss_scale, value)
     }

@@ -27,24 +27,27 @@ mod update;
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{TrainOutcome, resume_config, run};
 pub use update::{
-    Optimizers, UpdateGroups, check_same_init, device_inner, inner_device, zero_layout,
+    Optimizers, UpdateGroups, check_same_init, counted_elsewhere, device_inner, inner_device,
+    zero_layout,
 };
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::model::params::ParamFn;
 use burn::data::dataloader::Progress;
-use burn::module::{Module, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::Backend;
 use burn::train::EventProcessorTraining;
 use burn::train::{
     Learner, LearnerEvent, LearningComponentsMarker, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader as BurnTrainLoader, TrainingComponents,
     TrainingItem, ValidLoader,
 };
+use wildfire_parallel::tp::TpPlan;
 
 use anyhow::bail;
 use burn::optim::GradientsParams;
@@ -53,7 +56,8 @@ use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
 use wildfire_parallel::mesh::PipelinePlan;
 use wildfire_parallel::pp::{StepStats, run_forward, run_step};
 
-use crate::checkpoint::{self, TrainState};
+use crate::TrainBackend;
+use crate::checkpoint::{self, ModelLayout, TrainState};
 use crate::data::{Sampler, SplitMix64};
 use crate::logging::{MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
@@ -83,8 +87,10 @@ pub struct LoopSettings {
 }
 
 /// A rank's place in the run: every rank, its pipeline (group rank = pipeline rank), its
-/// data-parallel group, the checked pipeline, and the pair of pipeline ranks that hold the tied
-/// embedding's two copies when those differ.
+/// data-parallel group, the checked pipeline, the pair of pipeline ranks that hold the tied
+/// embedding's two copies when those differ, its tensor-parallel group, the ranks that hold one
+/// model replica between them (pipeline × tensor-parallel), and where its parameters sit in
+/// the whole model.
 #[derive(Debug)]
 pub struct RankContext {
     pub world: ProcessGroup,
@@ -92,11 +98,14 @@ pub struct RankContext {
     pub data: ProcessGroup,
     pub plan: PipelinePlan,
     pub tie_group: Option<ProcessGroup>,
+    pub tensor: ProcessGroup,
+    pub replica: ProcessGroup,
+    pub layout: ModelLayout,
 }
 
 /// The step-based learning strategy. Besides what burn-train hands to `fit`, it holds the shared
 /// handles it checkpoints (optimizer, sampler) and the metric files.
-pub struct StepLoop<B: AutodiffBackend> {
+pub struct StepLoop<B: TrainBackend> {
     pub settings: LoopSettings,
     /// The chunks this rank trains (under ZeRO 3, skeletons whose parameters the sharded
     /// optimizer holds). burn-train's `Learner` only keeps the schedule here.
@@ -121,7 +130,7 @@ pub fn step_seed(seed: u64, step: u64) -> u64 {
     SplitMix64::new(seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64()
 }
 
-impl<B: AutodiffBackend> std::fmt::Debug for StepLoop<B> {
+impl<B: TrainBackend> std::fmt::Debug for StepLoop<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepLoop")
             .field("settings", &self.settings)
@@ -129,7 +138,7 @@ impl<B: AutodiffBackend> std::fmt::Debug for StepLoop<B> {
     }
 }
 
-impl<B: AutodiffBackend> StepLoop<B> {
+impl<B: TrainBackend> StepLoop<B> {
     fn current_model(&self) -> GptChunks<B> {
         self.model.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -151,22 +160,33 @@ impl<B: AutodiffBackend> StepLoop<B> {
             batch.loss_scale = 1.0 / tokens as f64;
         }
         learner.lr_step();
+        let tensor_comm = self.rank.tensor.comm_time();
         let (grads, stats, unit_comm) = self.forward_backward(&model, &micro, &device)?;
+        // The tensor-parallel collectives inside the forwards and backwards (and the
+        // sequence-parallel gradient sums).
+        let tensor_comm = self.rank.tensor.comm_time().saturating_sub(tensor_comm);
         let rank = &self.rank;
         let groups = UpdateGroups {
             world: &rank.world,
-            pipe: &rank.pipe,
+            replica: &rank.replica,
             data: &rank.data,
         };
+        let counted_elsewhere = counted_elsewhere(&model, &rank.layout);
         let (model, update) = self.optimizers.update(
             &groups,
             model,
             grads,
             learner.lr_current(),
             self.settings.grad_clip,
+            &counted_elsewhere,
         )?;
         *self.model.lock().unwrap_or_else(|p| p.into_inner()) = model;
-        let loss_sum = self.world_sum(stats.loss)?;
+        // Every tensor-parallel rank computed the same loss: count it once.
+        let loss = match rank.tensor.rank() {
+            0 => stats.loss,
+            _ => 0.0,
+        };
+        let loss_sum = self.world_sum(loss)?;
         let pipeline = self.pipeline_record(&stats)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
@@ -183,7 +203,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
             bubble: pipeline
                 .as_ref()
                 .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
-            comm_ms: Some(1e3 * (update.reduce.comm + unit_comm).as_secs_f64()),
+            comm_ms: Some(1e3 * (update.reduce.comm + unit_comm + tensor_comm).as_secs_f64()),
         };
         Ok((output, pipeline))
     }
@@ -226,6 +246,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
         }
         let mut grads = accumulator.grads();
         self.sum_tied_embedding(model, &mut grads)?;
+        self.sum_sequence_partial(model, &mut grads)?;
         Ok((grads, result.stats, Duration::ZERO))
     }
 
@@ -256,6 +277,49 @@ impl<B: AutodiffBackend> StepLoop<B> {
                 grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
             }
             _ => {}
+        }
+        Ok(())
+    }
+
+    /// Under sequence parallelism, sums over the tensor-parallel group the gradients of the
+    /// parameters every rank holds whole but applies to its part of the sequence only (the
+    /// LayerNorms, the row-parallel layers' biases): each rank's is the sum over its positions,
+    /// the parameter's is the sum over all of them.
+    fn sum_sequence_partial(
+        &self,
+        model: &GptChunks<B>,
+        grads: &mut GradientsParams,
+    ) -> anyhow::Result<()> {
+        let sequence_parallel = model.chunks[0]
+            .tp
+            .as_ref()
+            .is_some_and(|tp| tp.sequence_parallel);
+        if !sequence_parallel {
+            return Ok(());
+        }
+        struct Partial<'a> {
+            plan: &'a TpPlan,
+            ids: Vec<(ParamId, usize)>,
+        }
+        impl<B: TrainBackend> ParamFn<B> for Partial<'_> {
+            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+                if self.plan.is_sequence_partial(name, D) {
+                    self.ids.push((param.id, D));
+                }
+            }
+        }
+        let mut partial = Partial {
+            plan: &self.rank.layout.plan,
+            ids: Vec::new(),
+        };
+        model.for_each_param(&mut partial);
+        let group = &self.rank.tensor;
+        for (id, dims) in partial.ids {
+            match dims {
+                1 => all_reduce_gradient::<B::InnerBackend, 1>(grads, id, group)?,
+                2 => all_reduce_gradient::<B::InnerBackend, 2>(grads, id, group)?,
+                _ => bail!("a sequence-parallel parameter of rank {dims}: only 1 and 2 occur"),
+            }
         }
         Ok(())
     }
@@ -349,6 +413,7 @@ impl<B: AutodiffBackend> StepLoop<B> {
             state,
             &self.rank.world,
             self.rank.data.rank(),
+            &self.rank.layout,
         )?;
         // Pruning is rank 0's alone; failing it must not stop rank 0 while the others go on.
         if self.settings.keep_last > 0 && self.rank.world.rank() == 0 {
@@ -401,7 +466,7 @@ fn item(
     )
 }
 
-impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<B> {
+impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<B> {
     fn fit(
         &self,
         components: TrainingComponents<GptComponents<B>>,
@@ -490,8 +555,21 @@ impl<B: AutodiffBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLo
     }
 }
 
+/// Replaces the gradient of parameter `id` by its sum over `group`.
+fn all_reduce_gradient<B: Backend, const D: usize>(
+    grads: &mut GradientsParams,
+    id: ParamId,
+    group: &ProcessGroup,
+) -> anyhow::Result<()> {
+    let Some(grad) = grads.remove::<B, D>(id) else {
+        bail!("a sequence-parallel parameter has no gradient");
+    };
+    grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
+    Ok(())
+}
+
 /// The tied embedding and the head's copy of it, when this rank holds both (ZeRO 3).
-fn tied_pair<B: AutodiffBackend>(model: &GptChunks<B>) -> Option<(ParamId, ParamId)> {
+fn tied_pair<B: TrainBackend>(model: &GptChunks<B>) -> Option<(ParamId, ParamId)> {
     match model.tied_embedding_ids() {
         (Some(embedding), Some(copy)) => Some((embedding, copy)),
         _ => None,
@@ -499,7 +577,7 @@ fn tied_pair<B: AutodiffBackend>(model: &GptChunks<B>) -> Option<(ParamId, Param
 }
 
 /// An evaluation batch (inner backend) on the autodiff backend, untracked.
-fn tracked<B: AutodiffBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
+fn tracked<B: TrainBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
     TokenBatch {
         inputs: Tensor::from_inner(batch.inputs),
         targets: Tensor::from_inner(batch.targets),

@@ -8,12 +8,13 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, bail};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::LearningRateMetric;
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
 use burn::module::Module;
-use wildfire_backend::comm::{CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup};
+use wildfire_backend::comm::{
+    CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges,
+};
 use wildfire_parallel::dp::{self, FlatLayout};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
@@ -23,14 +24,17 @@ use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
     check_same_init, device_inner, inner_device, zero_layout,
 };
+use crate::TrainBackend;
+use crate::checkpoint::ModelLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::{RunConfig, Transport, check_same_model};
 use crate::data::{Sampler, Splits, Tokenizer, TokenizerKind, load_text};
 use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
-use crate::model::{Gpt, GptChunks, GptConfig, StageSpec};
+use crate::model::{Gpt, GptChunks, GptConfig, StageSpec, TP_PLAN};
 use crate::optim::{MatrixDecayAdamW, SharedOptimizer, WarmupCosine};
+use wildfire_parallel::tp::TpPlan;
 
 /// What a finished (or stopped) run reports to its caller.
 #[derive(Debug)]
@@ -141,7 +145,7 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
 /// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
 /// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
 /// (see [`resume_config`] for its config). Returns rank 0's outcome.
-pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
+pub fn run<B: TrainBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
         Transport::Launch => {
@@ -159,7 +163,16 @@ pub fn run<B: AutodiffBackend>(config: RunConfig, resume: bool) -> anyhow::Resul
                     launched.world_size
                 );
             }
-            let ranks = config.parallel.dp * config.parallel.pp;
+            if config.parallel.tp > 1 {
+                bail!(
+                    "parallel.tp = {} needs one process per rank (--transport launch, under \
+                     `wildfire launch --nproc-per-node N`): thread ranks share one autodiff lock, \
+                     and a tensor-parallel collective inside a forward or backward would wait \
+                     on a rank that cannot take it",
+                    config.parallel.tp
+                );
+            }
+            let ranks = config.parallel.dp * config.parallel.tp * config.parallel.pp;
             let worlds = ProcessGroup::local_world(ranks, options)?;
             let ranks = worlds
                 .into_iter()
@@ -198,7 +211,7 @@ fn first_outcome(
 }
 
 /// This rank's part of the run.
-fn run_rank<B: AutodiffBackend>(
+fn run_rank<B: TrainBackend>(
     config: RunConfig,
     resume: bool,
     world: ProcessGroup,
@@ -206,7 +219,7 @@ fn run_rank<B: AutodiffBackend>(
     let (rank, parallel) = (world.rank(), &config.parallel);
     let dims = ParallelDims {
         dp: parallel.dp,
-        tp: 1,
+        tp: parallel.tp,
         pp: parallel.pp,
     };
     dims.validate(world.size())?;
@@ -219,9 +232,12 @@ fn run_rank<B: AutodiffBackend>(
         config.train.grad_accum,
     )?;
     let (data_rank, pipe_rank, _) = dims.coordinates(rank);
-    // Every rank creates its pipeline group, then its data-parallel group.
+    // Every rank creates its groups in the same order: pipeline, data-parallel,
+    // tensor-parallel, model replica.
     let pipe = world.subgroup(&dims.pipeline_ranks(rank))?;
     let data = world.subgroup(&dims.data_ranks(rank))?;
+    let tensor = world.subgroup(&dims.tensor_ranks(rank))?;
+    let replica = world.subgroup(&dims.model_ranks(rank))?;
     let run_dir = config.run.dir.clone();
     let resumed = check_run_dir(&run_dir, resume)?
         .map(|dir| checkpoint::load(&dir))
@@ -231,6 +247,11 @@ fn run_rank<B: AutodiffBackend>(
         model: model_config,
         splits,
     } = prepare_data(&config, resumed.as_ref())?;
+    dims.check_tensor_parallel(
+        model_config.n_head,
+        model_config.context,
+        parallel.sequence_parallel,
+    )?;
     if stage == ZeroStage::Three && model_config.dropout > 0.0 {
         bail!(
             "ZeRO stage 3 recomputes each block's forward in its backward, which draws new \
@@ -249,8 +270,9 @@ fn run_rank<B: AutodiffBackend>(
     // Every rank has checked the run directory before rank 0 writes into it.
     world.barrier()?;
 
+    let tp_plan = TpPlan::new(TP_PLAN, tensor.rank(), tensor.size());
     let device = B::Device::default();
-    let mut model = {
+    let (layout, mut model) = {
         // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
         // the model and making its parameters (which registers them) happen under the
         // pipeline's lock, so every rank draws the same model and no graph is cleaned meanwhile.
@@ -258,17 +280,24 @@ fn run_rank<B: AutodiffBackend>(
         B::seed(&device, config.train.seed);
         let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device);
         let whole = match (&resumed, &config.run.init_from) {
+            (Some(loaded), _) => loaded.apply_params(whole)?,
             (None, Some(source)) => crate::hf::init_from(whole, source)?,
-            _ => whole,
+            (None, None) => whole,
         };
-        match stage {
+        let layout = ModelLayout::new(&whole, tp_plan.clone());
+        let whole = match dims.tp {
+            1 => whole,
+            _ => whole.shard(&tp_plan, &tensor, parallel.sequence_parallel),
+        };
+        let chunks = match stage {
             // ZeRO 3 runs one block per unit (see `run_sharded_step`).
             ZeroStage::Three => {
                 let blocks: Vec<_> = (0..model_config.n_layer).map(|b| b..b + 1).collect();
                 GptChunks::for_rank(whole, &blocks, 1, 0)
             }
             _ => GptChunks::for_rank(whole, &plan.stages, dims.pp, pipe_rank),
-        }
+        };
+        (layout, chunks)
     };
     // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
     world.barrier()?;
@@ -284,8 +313,6 @@ fn run_rank<B: AutodiffBackend>(
     )?;
     let mut start_step = 0;
     if let Some(loaded) = &resumed {
-        let _lock = graphs_lock();
-        model = loaded.apply_params_to_chunks(model)?;
         schedule.next_step = loaded.state.schedule_step;
         sampler.seek(loaded.state.cursor);
         start_step = loaded.state.step;
@@ -294,7 +321,7 @@ fn run_rank<B: AutodiffBackend>(
         ZeroStage::Zero0 => {
             let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
             if let Some(loaded) = &resumed {
-                loaded.apply_moments(&model, &optimizer)?;
+                loaded.apply_moments(&model, &optimizer, &tp_plan)?;
             }
             Optimizers::Replicated {
                 optimizer,
@@ -383,6 +410,9 @@ fn run_rank<B: AutodiffBackend>(
             data,
             plan: plan.clone(),
             tie_group,
+            tensor,
+            replica,
+            layout,
         },
         error: Mutex::new(None),
         losses: Mutex::new(Vec::new()),
@@ -449,6 +479,24 @@ fn run_rank<B: AutodiffBackend>(
         if pipelined {
             println!("{}", describe_pipeline(&plan));
         }
+        if dims.tp > 1 {
+            let vocab = split_ranges(model_config.vocab_size, dims.tp);
+            println!(
+                "tensor parallel: {} ranks{}, {} of {} heads and {}–{} of {} vocabulary rows per \
+                 rank",
+                dims.tp,
+                if parallel.sequence_parallel {
+                    " with sequence parallelism"
+                } else {
+                    ""
+                },
+                model_config.n_head / dims.tp,
+                model_config.n_head,
+                vocab.iter().map(|r| r.len()).min().unwrap_or(0),
+                vocab.iter().map(|r| r.len()).max().unwrap_or(0),
+                model_config.vocab_size,
+            );
+        }
         if dims.dp > 1 || stage != ZeroStage::Zero0 {
             println!(
                 "data parallel: {} ranks, {stage}{}, global batch {global_batch} sequences \
@@ -493,7 +541,7 @@ fn run_rank<B: AutodiffBackend>(
 }
 
 /// Prints (rank 0) the bytes every rank holds for its model state.
-fn report_state_bytes<B: AutodiffBackend>(
+fn report_state_bytes<B: TrainBackend>(
     world: &ProcessGroup,
     optimizers: &Optimizers<B>,
     stage: ZeroStage,

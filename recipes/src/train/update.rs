@@ -9,21 +9,25 @@
 //! ```
 //!
 //! The norm is that of the full gradient in every mode: replicated gradients are summed over
-//! the pipeline's ranks only (each parameter once; the tied embedding's copy left out); owned
-//! parts over every rank.
+//! the ranks of one model replica only (pipeline stages × tensor-parallel parts; each parameter
+//! once: the tied embedding's copy left out, and a parameter every tensor-parallel rank holds
+//! whole counted on the first of them); owned parts over every rank.
 
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::Context;
-use burn::module::Module;
+use burn::module::{Module, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec, ReduceStats, SetParams};
 use wildfire_parallel::fsdp::{StateBytes, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::pp::graphs_lock;
 
-use crate::model::GptChunks;
+use crate::checkpoint::ModelLayout;
+use crate::model::params::ParamFn;
+use crate::model::{GptChunks, TIED_COPY};
 use crate::optim::{GptOptimizer, clip_factor, grad_sum_of_squares_except, scale_grads};
 
 /// The optimizer of a run, with its data-parallel reduction.
@@ -58,8 +62,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct UpdateGroups<'a> {
     /// Every rank of the job.
     pub world: &'a ProcessGroup,
-    /// This rank's pipeline.
-    pub pipe: &'a ProcessGroup,
+    /// The ranks that hold one model replica between them (pipeline × tensor-parallel).
+    pub replica: &'a ProcessGroup,
     /// This rank's data-parallel group.
     pub data: &'a ProcessGroup,
 }
@@ -145,8 +149,8 @@ impl<B: AutodiffBackend> Optimizers<B> {
 
     /// Reduces `grads` (this rank's, summed over its micro-batches; under ZeRO 3 already
     /// reduced to owned parts) over the data-parallel ranks, clips by the global norm with
-    /// `max_norm`, and returns the updated model. `tied_copy` is the head's copy of the token
-    /// embedding where this rank holds it (left out of the norm).
+    /// `max_norm`, and returns the updated model. `counted_elsewhere` are the parameters whose
+    /// gradients another rank puts into the norm (see the module doc).
     pub fn update(
         &self,
         groups: &UpdateGroups,
@@ -154,16 +158,15 @@ impl<B: AutodiffBackend> Optimizers<B> {
         grads: GradientsParams,
         lr: f64,
         max_norm: f64,
+        counted_elsewhere: &[ParamId],
     ) -> anyhow::Result<(GptChunks<B>, UpdateStats)> {
-        let (_, tied_copy) = model.tied_embedding_ids();
-        let skip = tied_copy.as_slice();
         let device = inner_device(&model);
         match self {
             Self::Replicated { optimizer, layout } => {
                 let (mut grads, reduce) =
                     dp::all_reduce_gradients(groups.data, layout, &model, grads, &device)?;
-                let squares = grad_sum_of_squares_except(&model, &grads, skip);
-                let grad_norm = group_sum(groups.pipe, squares)?.sqrt();
+                let squares = grad_sum_of_squares_except(&model, &grads, counted_elsewhere);
+                let grad_norm = group_sum(groups.replica, squares)?.sqrt();
                 if let Some(factor) = clip_factor(grad_norm, max_norm) {
                     scale_grads(&model, &mut grads, factor);
                 }
@@ -177,7 +180,7 @@ impl<B: AutodiffBackend> Optimizers<B> {
                     ZeroStage::Three => (grads, ReduceStats::default()),
                     _ => zero.reduce(&model, grads)?,
                 };
-                let squares = zero.shard_sum_of_squares(&grads, skip);
+                let squares = zero.shard_sum_of_squares(&grads, counted_elsewhere);
                 let grad_norm = group_sum(groups.world, squares)?.sqrt();
                 if let Some(factor) = clip_factor(grad_norm, max_norm) {
                     zero.scale_shards(&mut grads, factor);
@@ -194,6 +197,33 @@ impl<B: AutodiffBackend> Optimizers<B> {
             }
         }
     }
+}
+
+/// The parameters of `model` whose gradients another rank of its replica puts into the norm:
+/// the head's copy of the tied embedding (the embedding's is counted), and, on every
+/// tensor-parallel rank but the first, the parameters all of them hold whole.
+pub fn counted_elsewhere<B: AutodiffBackend>(
+    model: &GptChunks<B>,
+    layout: &ModelLayout,
+) -> Vec<ParamId> {
+    struct Whole<'a> {
+        layout: &'a ModelLayout,
+        ids: Vec<ParamId>,
+    }
+    impl<B: AutodiffBackend> ParamFn<B> for Whole<'_> {
+        fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+            let plan = &self.layout.plan;
+            if name == TIED_COPY || (plan.rank > 0 && !plan.is_split(name, D)) {
+                self.ids.push(param.id);
+            }
+        }
+    }
+    let mut whole = Whole {
+        layout,
+        ids: Vec::new(),
+    };
+    model.for_each_param(&mut whole);
+    whole.ids
 }
 
 /// The inner backend's device of `model`'s parameters.

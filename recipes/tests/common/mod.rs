@@ -110,6 +110,31 @@ pub fn params(dir: &Path) -> BTreeMap<String, TensorData> {
     checkpoint::load(&latest).expect("readable").params
 }
 
+/// Every checkpoint's parameters, by step.
+pub fn params_by_step(dir: &Path) -> BTreeMap<u64, BTreeMap<String, TensorData>> {
+    checkpoint::store::list_checkpoints(&dir.join("checkpoints"))
+        .expect("checkpoints")
+        .into_iter()
+        .map(|(step, path)| (step, checkpoint::load(&path).expect("readable").params))
+        .collect()
+}
+
+/// `wildfire launch --nproc-per-node ranks --master-port port -- wildfire <args>`, run to
+/// completion (or killed at [`LIMIT`]).
+pub fn launch(ranks: usize, port: u16, args: &[String]) -> Output {
+    let mut command: Vec<String> = vec![
+        "launch".into(),
+        "--nproc-per-node".into(),
+        ranks.to_string(),
+        "--master-port".into(),
+        port.to_string(),
+        "--".into(),
+        env!("CARGO_BIN_EXE_wildfire").into(),
+    ];
+    command.extend_from_slice(args);
+    finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &command), LIMIT)
+}
+
 pub fn assert_close_losses(serial: &[f64], parallel: &[f64], tolerance: f64, what: &str) {
     assert_eq!(serial.len(), parallel.len(), "{what}: step counts");
     for (step, (a, b)) in serial.iter().zip(parallel).enumerate() {
@@ -149,6 +174,27 @@ pub fn max_relative_difference(
     max_scaled_difference(a, b, |x| {
         x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30)
     })
+}
+
+/// How many parameter elements (key biases aside) differ by more than `threshold` between two
+/// runs, of how many.
+pub fn count_differences_over(
+    a: &BTreeMap<String, TensorData>,
+    b: &BTreeMap<String, TensorData>,
+    threshold: f32,
+) -> (usize, usize) {
+    let (mut over, mut total) = (0, 0);
+    for (name, x) in a {
+        let (x, y): (Vec<f32>, Vec<f32>) =
+            (x.to_vec().expect("f32"), b[name].to_vec().expect("f32"));
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            if !is_key_bias(name, i, x.len()) {
+                total += 1;
+                over += usize::from((p - q).abs() > threshold);
+            }
+        }
+    }
+    (over, total)
 }
 
 /// The largest `|a − b| / scale(tensor of a)` over the parameters (which must be the same in
