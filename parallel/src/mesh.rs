@@ -36,11 +36,10 @@ pub enum MeshError {
         product: usize,
     },
     #[error(
-        "ZeRO stage {stage} with tensor parallelism (tp {tp}) is not supported yet: ZeRO's \
-         flat shards and checkpoint pieces cover whole parameters, not tensor-parallel parts; \
-         use ZeRO stage 0 (DDP) with tp > 1"
+        "ZeRO stage 3 with tensor parallelism (tp {tp}) is not supported yet: its units gather \
+         whole parameters; use ZeRO stage 1 or 2 with tp > 1"
     )]
-    ZeroWithTensor { stage: u8, tp: usize },
+    ZeroWithTensor { tp: usize },
     #[error(
         "the global batch is {global} sequences, but micro-batch {micro} × accumulation \
          {accumulation} × dp {dp} = {product}: change one of them (or leave the global batch \
@@ -142,11 +141,8 @@ impl ParallelDims {
         if stage == ZeroStage::Three && self.pp > 1 {
             return Err(MeshError::ZeroWithPipeline { pp: self.pp });
         }
-        if stage != ZeroStage::Zero0 && self.tp > 1 {
-            return Err(MeshError::ZeroWithTensor {
-                stage: stage.level(),
-                tp: self.tp,
-            });
+        if stage == ZeroStage::Three && self.tp > 1 {
+            return Err(MeshError::ZeroWithTensor { tp: self.tp });
         }
         Ok(())
     }
@@ -286,11 +282,11 @@ mod tests {
             serial.check_tensor_parallel(12, 128, true),
             Err(MeshError::SequenceWithoutTensor)
         ));
+        assert!(dims.check_zero(ZeroStage::Two).is_ok());
         assert_eq!(
-            dims.check_zero(ZeroStage::One).unwrap_err().to_string(),
-            "ZeRO stage 1 with tensor parallelism (tp 4) is not supported yet: ZeRO's flat shards \
-             and checkpoint pieces cover whole parameters, not tensor-parallel parts; use ZeRO \
-             stage 0 (DDP) with tp > 1"
+            dims.check_zero(ZeroStage::Three).unwrap_err().to_string(),
+            "ZeRO stage 3 with tensor parallelism (tp 4) is not supported yet: its units gather \
+             whole parameters; use ZeRO stage 1 or 2 with tp > 1"
         );
     }
 

@@ -69,19 +69,7 @@ fn assert_same_training(reference: &Path, run: &Path, what: &str, tolerance: f32
         1e-6,
         what,
     );
-    let (expected, got) = (params_by_step(reference), params_by_step(run));
-    assert_eq!(
-        expected.keys().collect::<Vec<_>>(),
-        got.keys().collect::<Vec<_>>(),
-        "{what}: checkpoint steps"
-    );
-    let mut worst = (0.0, String::new());
-    for (step, params) in &expected {
-        let (diff, at) = max_relative_difference(params, &got[step]);
-        if diff > worst.0 {
-            worst = (diff, format!("step {step}: {at}"));
-        }
-    }
+    let worst = worst_over_checkpoints(reference, run, what, max_relative_difference);
     println!(
         "{what}: worst parameter difference {:e} at {}",
         worst.0, worst.1
@@ -284,25 +272,14 @@ fn a_killed_data_parallel_rank_fails_the_job_and_a_relaunch_resumes() {
         .last()
         .expect("a complete checkpoint before the kill");
     let target = last + 2;
-    let mut args: Vec<String> = [
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "29682",
-        "--",
-    ]
-    .map(String::from)
-    .into();
-    args.push(env!("CARGO_BIN_EXE_wildfire").into());
-    args.extend([
+    let args = [
         "train".to_string(),
         "--resume".into(),
         dir.display().to_string(),
         "--set".into(),
         format!("train.max_steps={target}"),
-    ]);
-    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    ];
+    let out = launch(2, 29682, &args);
     assert!(out.status.success(), "{}", text(&out));
     let steps: Vec<u64> = records(&dir, "train")
         .iter()

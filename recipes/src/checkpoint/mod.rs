@@ -10,8 +10,12 @@
 //! of data-parallel replicas only the first writes what they all hold (parameters, and moments
 //! under ZeRO 0); under ZeRO 1–3 every rank writes its owned parts of the moments (and under
 //! ZeRO 3 of the parameters) as pieces of the flattened tensor: global shape `[numel]`, offset
-//! and length in it. Loading joins the pieces of every file, so a checkpoint resumes under any
-//! ZeRO stage and pipeline layout.
+//! and length in it. Under tensor parallelism a rank writes the boxes of the global tensors it
+//! holds (a fused QKV part is 3 boxes) and, of a tensor every tensor-parallel rank holds whole,
+//! only the first rank writes it; ZeRO's pieces of a split parameter flatten the rank's part,
+//! so they are stored under the part's name, `name@tp{r}of{s}`. Loading joins the pieces and
+//! boxes of every file (and places the parts into the whole tensors), so a checkpoint resumes
+//! under any ZeRO stage, pipeline layout and tensor-parallel degree.
 
 mod distributed;
 pub mod store;
@@ -32,7 +36,7 @@ use crate::data::{Cursor, TokenizerKind};
 use wildfire_backend::comm::ProcessGroup;
 
 use crate::model::params::{ParamFn, collect_params, for_each_param, load_params, param_names};
-use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING};
+use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW};
 use crate::train::Optimizers;
 use burn::module::ParamId;
@@ -177,48 +181,120 @@ impl ModelLayout {
         Ok(self.plan.rank == 0 || self.plan.is_split(name, dims))
     }
 
-    /// This rank's part `data` of parameter `name` as the slices stored under `stored` (the
-    /// parameter's name, or one of its moments'): each box of the global tensor it holds
-    /// (one, or one per section of a fused projection), cut from `data` in order along the
-    /// split dimension.
+    /// This rank's part `data` of parameter `name` as the slices stored under `stored` (see
+    /// [`part_slices`]).
     fn slices(
         &self,
         name: &str,
         stored: String,
         data: TensorData,
     ) -> anyhow::Result<Vec<TensorSlice>> {
-        let global = self.shape(name)?;
-        let boxes = self.plan.boxes(name, global);
-        let Some(dim) = (0..global.len()).find(|&d| boxes[0].shape[d] != global[d]) else {
-            return Ok(vec![to_slice(stored, data)?]);
-        };
-        let whole = to_slice(stored, data)?;
-        let elem = whole.dtype.size();
-        let mut local_offset = vec![0; global.len()];
-        let mut slices = Vec::with_capacity(boxes.len());
-        for part in boxes {
-            let bytes =
-                store::cut_box(&whole.bytes, elem, &whole.shape, &local_offset, &part.shape);
-            local_offset[dim] += part.shape[dim];
-            slices.push(TensorSlice {
-                name: whole.name.clone(),
-                dtype: whole.dtype,
-                global_shape: global.to_vec(),
-                offset: part.offset,
-                shape: part.shape,
-                bytes,
-            });
-        }
-        if local_offset[dim] != whole.shape[dim] {
-            bail!(
-                "parameter {name} holds {} entries along dimension {dim}, but the plan gives \
-                 this rank {} of the global {global:?}",
-                whole.shape[dim],
-                local_offset[dim]
-            );
-        }
-        Ok(slices)
+        part_slices(&self.plan, name, self.shape(name)?, stored, data)
     }
+
+    /// The name under which this rank stores the flattened pieces of parameter `name` (and of
+    /// its moments) that ZeRO gives it, or `None` when another tensor-parallel rank stores them:
+    /// the name itself for a whole parameter, and for a split one the name of this rank's part,
+    /// `name@tp{rank}of{size}` (the flattening of a part is not a box of the whole; loading
+    /// re-assembles the parts, see [`assemble_tensor_parallel_parts`]).
+    fn flat_name(&self, name: &str) -> anyhow::Result<Option<String>> {
+        let dims = self.shape(name)?.len();
+        let plan = &self.plan;
+        Ok(match (self.stores(name)?, plan.is_split(name, dims)) {
+            (false, _) => None,
+            (true, true) => Some(format!("{name}{TP_PART}{}of{}", plan.rank, plan.size)),
+            (true, false) => Some(name.to_string()),
+        })
+    }
+}
+
+/// Marks the name of one tensor-parallel rank's part of a tensor (see [`ModelLayout::flat_name`]).
+const TP_PART: &str = "@tp";
+
+/// The parameter name, rank and tensor-parallel size of a part's name (`name@tp{r}of{s}`).
+fn parse_tp_part(name: &str) -> Option<(&str, usize, usize)> {
+    let (base, part) = name.rsplit_once(TP_PART)?;
+    let (rank, size) = part.split_once("of")?;
+    Some((base, rank.parse().ok()?, size.parse().ok()?))
+}
+
+/// Rank `plan.rank`'s part `data` of parameter `name` (global shape `global`) as the slices
+/// stored under `stored` (the parameter's name, or one of its moments'): each box of the global
+/// tensor it holds (one, or one per section of a fused projection), cut from `data` in order
+/// along the split dimension.
+fn part_slices(
+    plan: &TpPlan,
+    name: &str,
+    global: &[usize],
+    stored: String,
+    data: TensorData,
+) -> anyhow::Result<Vec<TensorSlice>> {
+    let boxes = plan.boxes(name, global);
+    let Some(dim) = (0..global.len()).find(|&d| boxes[0].shape[d] != global[d]) else {
+        return Ok(vec![to_slice(stored, data)?]);
+    };
+    let whole = to_slice(stored, data)?;
+    let elem = whole.dtype.size();
+    let mut local_offset = vec![0; global.len()];
+    let mut slices = Vec::with_capacity(boxes.len());
+    for part in boxes {
+        let bytes = store::cut_box(&whole.bytes, elem, &whole.shape, &local_offset, &part.shape);
+        local_offset[dim] += part.shape[dim];
+        slices.push(TensorSlice {
+            name: whole.name.clone(),
+            dtype: whole.dtype,
+            global_shape: global.to_vec(),
+            offset: part.offset,
+            shape: part.shape,
+            bytes,
+        });
+    }
+    if local_offset[dim] != whole.shape[dim] {
+        bail!(
+            "parameter {name} holds {} entries along dimension {dim}, but the plan gives rank {} \
+             {} of the global {global:?}",
+            whole.shape[dim],
+            plan.rank,
+            local_offset[dim]
+        );
+    }
+    Ok(slices)
+}
+
+/// Joins the tensor-parallel parts among `moments` (named `…@tp{r}of{s}`, each already in its
+/// rank's local shape) into whole moments, placing each part by the plan as rank `r` of `s`
+/// holds it; the parameters' whole shapes come from `params`.
+fn assemble_tensor_parallel_parts(
+    moments: BTreeMap<String, TensorData>,
+    params: &BTreeMap<String, TensorData>,
+) -> anyhow::Result<BTreeMap<String, TensorData>> {
+    let mut whole = BTreeMap::new();
+    let mut parts = Vec::new();
+    for (name, data) in moments {
+        let Some((stored, rank, size)) = parse_tp_part(&name) else {
+            whole.insert(name, data);
+            continue;
+        };
+        let param = stored
+            .strip_prefix(EXP_AVG)
+            .or_else(|| stored.strip_prefix(EXP_AVG_SQ))
+            .unwrap_or(stored);
+        let global = params
+            .get(param)
+            .with_context(|| format!("{name} is a part of {param}, which the checkpoint lacks"))?
+            .shape
+            .to_vec();
+        let plan = TpPlan::new(TP_PLAN, rank, size);
+        parts.extend(part_slices(
+            &plan,
+            param,
+            &global,
+            stored.to_string(),
+            data,
+        )?);
+    }
+    whole.extend(join_slices(parts)?);
+    Ok(whole)
 }
 
 /// AdamW moments of every parameter that has them, as `(parameter, stored name, tensor)` plus
@@ -306,13 +382,18 @@ pub fn save<B: AutodiffBackend>(
                 if name == TIED_COPY {
                     continue;
                 }
-                slices.extend(piece_slices(name, &piece));
+                if let Some(stored) = layout.flat_name(name)? {
+                    slices.extend(piece_slices(&stored, &piece));
+                }
                 if piece.exp_avg.is_some() {
                     steps.insert(name.clone(), piece.time);
                 }
             }
             for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
-                shapes.insert(names[&slot.param.id].clone(), slot.param.shape.clone());
+                let name = &names[&slot.param.id];
+                if let Some(stored) = layout.flat_name(name)? {
+                    shapes.insert(stored, slot.param.shape.clone());
+                }
             }
         }
     }
@@ -477,6 +558,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             params.insert(name, data);
         }
     }
+    let moments = assemble_tensor_parallel_parts(moments, &params)?;
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,
@@ -546,8 +628,8 @@ impl Loaded {
     pub fn moments_by_id<B: AutodiffBackend>(
         &self,
         model: &GptChunks<B>,
+        plan: &TpPlan,
     ) -> anyhow::Result<std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>> {
-        let plan = TpPlan::serial();
         struct Gather<'a, B: AutodiffBackend> {
             loaded: &'a Loaded,
             plan: &'a TpPlan,
@@ -592,7 +674,7 @@ impl Loaded {
         }
         let mut gather = Gather::<B> {
             loaded: self,
-            plan: &plan,
+            plan,
             found: Default::default(),
             error: None,
         };

@@ -339,7 +339,7 @@ fn run_rank<B: TrainBackend>(
             );
             zero.set_params(&dp::flat_params(&model));
             if let Some(loaded) = &resumed {
-                zero.set_moments(&loaded.moments_by_id(&model)?)?;
+                zero.set_moments(&loaded.moments_by_id(&model, &tp_plan)?)?;
             }
             if stage == ZeroStage::Three {
                 // The optimizer holds the parameters now; the chunks keep placeholders.

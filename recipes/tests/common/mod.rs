@@ -119,10 +119,10 @@ pub fn params_by_step(dir: &Path) -> BTreeMap<u64, BTreeMap<String, TensorData>>
         .collect()
 }
 
-/// `wildfire launch --nproc-per-node ranks --master-port port -- wildfire <args>`, run to
-/// completion (or killed at [`LIMIT`]).
-pub fn launch(ranks: usize, port: u16, args: &[String]) -> Output {
-    let mut command: Vec<String> = vec![
+/// The arguments of `wildfire launch --nproc-per-node ranks --master-port port -- wildfire`
+/// (the command's own arguments follow).
+pub fn launch_args(ranks: usize, port: u16) -> Vec<String> {
+    vec![
         "launch".into(),
         "--nproc-per-node".into(),
         ranks.to_string(),
@@ -130,9 +130,42 @@ pub fn launch(ranks: usize, port: u16, args: &[String]) -> Output {
         port.to_string(),
         "--".into(),
         env!("CARGO_BIN_EXE_wildfire").into(),
-    ];
+    ]
+}
+
+/// `wildfire launch --nproc-per-node ranks --master-port port -- wildfire <args>`, run to
+/// completion (or killed at [`LIMIT`]).
+pub fn launch(ranks: usize, port: u16, args: &[String]) -> Output {
+    let mut command = launch_args(ranks, port);
     command.extend_from_slice(args);
     finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &command), LIMIT)
+}
+
+/// The largest `difference` between `run`'s checkpoint of each step and `reference`'s (both
+/// runs must have checkpoints of the same steps), and where it is.
+pub fn worst_over_checkpoints(
+    reference: &Path,
+    run: &Path,
+    what: &str,
+    mut difference: impl FnMut(
+        &BTreeMap<String, TensorData>,
+        &BTreeMap<String, TensorData>,
+    ) -> (f32, String),
+) -> (f32, String) {
+    let (expected, got) = (params_by_step(reference), params_by_step(run));
+    assert_eq!(
+        expected.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>(),
+        "{what}: checkpoint steps"
+    );
+    let mut worst = (0.0, String::new());
+    for (step, params) in &expected {
+        let (value, at) = difference(params, &got[step]);
+        if value > worst.0 {
+            worst = (value, format!("step {step}: {at}"));
+        }
+    }
+    worst
 }
 
 pub fn assert_close_losses(serial: &[f64], parallel: &[f64], tolerance: f64, what: &str) {
@@ -273,15 +306,7 @@ pub fn assert_killed_rank_fails_the_job(
     train_args: Vec<String>,
     victim: usize,
 ) {
-    let mut args: Vec<String> = vec![
-        "launch".into(),
-        "--nproc-per-node".into(),
-        ranks.to_string(),
-        "--master-port".into(),
-        port.to_string(),
-        "--".into(),
-    ];
-    args.push(env!("CARGO_BIN_EXE_wildfire").into());
+    let mut args = launch_args(ranks, port);
     args.extend(train_args);
     let mut command = Command::new(env!("CARGO_BIN_EXE_wildfire"));
     command
