@@ -71,7 +71,7 @@ impl RecipeRun {
         let worker = |transport: &str| {
             let mut command = vec![
                 exe.display().to_string(),
-                "dp-worker".into(),
+                "recipe-worker".into(),
                 "--threads".into(),
                 self.threads.to_string(),
                 "--transport".into(),

@@ -55,7 +55,7 @@ enum Command {
     Tp(tp::TpArgs),
     /// One training process of `dp` and `tp`.
     #[command(hide = true)]
-    DpWorker(dp::WorkerArgs),
+    RecipeWorker(dp::WorkerArgs),
     /// Where a tiny-GPT training step spends its time, component by component.
     TrainProfile(train_profile::ProfileArgs),
     /// One measurement process of `train`.
@@ -78,7 +78,7 @@ fn main() -> anyhow::Result<()> {
         Command::Memory(args) => memory::run(args),
         Command::Dp(args) => dp::run(args),
         Command::Tp(args) => tp::run(args),
-        Command::DpWorker(args) => dp::worker(args),
+        Command::RecipeWorker(args) => dp::worker(args),
         Command::PpWorker(args) => pp::worker(args),
         Command::Train(args) => train::run(args),
         Command::TrainWorker(args) => train::worker(args),

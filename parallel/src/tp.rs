@@ -357,6 +357,12 @@ impl TpPlan {
         }
     }
 
+    /// The dimension along which parameter `path` (of rank `dims`) is split; `None` when every
+    /// rank holds it whole.
+    pub fn split_dim(&self, path: &str, dims: usize) -> Option<usize> {
+        self.split(path, dims).map(|(dim, _)| dim)
+    }
+
     /// Whether every rank holds a different part of parameter `path` (of rank `dims`).
     pub fn is_split(&self, path: &str, dims: usize) -> bool {
         self.split(path, dims).is_some()
@@ -402,7 +408,7 @@ impl TpPlan {
         path: &str,
         full: Tensor<B, D>,
     ) -> Tensor<B, D> {
-        let Some((dim, _)) = self.split(path, D) else {
+        let Some(dim) = self.split_dim(path, D) else {
             return full;
         };
         let parts = self

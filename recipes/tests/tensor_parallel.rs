@@ -202,7 +202,10 @@ fn zero_over_tensor_parallel_ranks_trains_and_resumes() {
     let zero1 = launched("tp-zero1", 4, 29726, &with("1"));
     assert_trains_like(&ddp, &zero1, "ZeRO 1 against DDP, tp 2 × dp 2");
     let zero2 = launched("tp-zero2", 4, 29727, &with("2"));
-    assert_eq!(series(&zero2, "train", "loss"), series(&zero1, "train", "loss"));
+    assert_eq!(
+        series(&zero2, "train", "loss"),
+        series(&zero1, "train", "loss")
+    );
     assert_eq!(params_by_step(&zero2), params_by_step(&zero1), "ZeRO 2");
     for step in 6..=10 {
         let path = zero2.join("checkpoints").join(format!("step-{step:08}"));
@@ -212,7 +215,10 @@ fn zero_over_tensor_parallel_ranks_trains_and_resumes() {
     args.push("--resume".into());
     let out = launch(4, 29728, &args);
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(series(&zero2, "train", "loss"), series(&zero1, "train", "loss"));
+    assert_eq!(
+        series(&zero2, "train", "loss"),
+        series(&zero1, "train", "loss")
+    );
     assert_eq!(params_by_step(&zero2), params_by_step(&zero1), "resumed");
 }
 

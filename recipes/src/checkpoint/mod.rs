@@ -47,6 +47,14 @@ use wildfire_parallel::tp::TpPlan;
 const EXP_AVG: &str = "optim.exp_avg.";
 const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
 
+/// The parameter a stored tensor belongs to: a moment's parameter, or the tensor itself.
+fn param_of(stored: &str) -> &str {
+    stored
+        .strip_prefix(EXP_AVG)
+        .or_else(|| stored.strip_prefix(EXP_AVG_SQ))
+        .unwrap_or(stored)
+}
+
 /// The non-tensor part of a checkpoint (the manifest's `state`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -229,10 +237,10 @@ fn part_slices(
     stored: String,
     data: TensorData,
 ) -> anyhow::Result<Vec<TensorSlice>> {
-    let boxes = plan.boxes(name, global);
-    let Some(dim) = (0..global.len()).find(|&d| boxes[0].shape[d] != global[d]) else {
+    let Some(dim) = plan.split_dim(name, global.len()) else {
         return Ok(vec![to_slice(stored, data)?]);
     };
+    let boxes = plan.boxes(name, global);
     let whole = to_slice(stored, data)?;
     let elem = whole.dtype.size();
     let mut local_offset = vec![0; global.len()];
@@ -275,10 +283,7 @@ fn assemble_tensor_parallel_parts(
             whole.insert(name, data);
             continue;
         };
-        let param = stored
-            .strip_prefix(EXP_AVG)
-            .or_else(|| stored.strip_prefix(EXP_AVG_SQ))
-            .unwrap_or(stored);
+        let param = param_of(stored);
         let global = params
             .get(param)
             .with_context(|| format!("{name} is a part of {param}, which the checkpoint lacks"))?
@@ -391,6 +396,9 @@ pub fn save<B: AutodiffBackend>(
             }
             for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
                 let name = &names[&slot.param.id];
+                if name == TIED_COPY {
+                    continue;
+                }
                 if let Some(stored) = layout.flat_name(name)? {
                     shapes.insert(stored, slot.param.shape.clone());
                 }
@@ -542,11 +550,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
         .with_context(|| format!("checkpoint {} has an unreadable state", dir.display()))?;
     let (mut params, mut moments) = (BTreeMap::new(), BTreeMap::new());
     for (name, data) in join_slices(slices)? {
-        let param = name
-            .strip_prefix(EXP_AVG)
-            .or_else(|| name.strip_prefix(EXP_AVG_SQ))
-            .unwrap_or(&name);
-        let data = match state.flat_shapes.get(param) {
+        let data = match state.flat_shapes.get(param_of(&name)) {
             Some(shape) => shaped(&data, shape).with_context(|| {
                 format!("tensor {name} has shape {:?}, not {shape:?}", data.shape)
             })?,
@@ -665,7 +669,9 @@ impl Loaded {
                     _ => {
                         self.error.get_or_insert_with(|| {
                             anyhow::anyhow!(
-                                "optimizer moments of {stored} are missing from the checkpoint"
+                                "optimizer moments of {stored} are missing from the checkpoint, \
+                                 or this rank's part of them does not have the parameter's \
+                                 shape {shape:?}"
                             )
                         });
                     }
@@ -723,7 +729,8 @@ impl Loaded {
                         self.error.get_or_insert_with(|| {
                             anyhow::anyhow!(
                                 "optimizer moments of {stored} are missing from the checkpoint, \
-                                 or do not have the parameter's shape {shape:?}"
+                                 or this rank's part of them does not have the parameter's \
+                                 shape {shape:?}"
                             )
                         });
                     }

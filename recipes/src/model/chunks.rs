@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use wildfire_backend::collective::CollectiveBackend;
@@ -68,6 +68,28 @@ impl<B: Backend> GptChunks<B> {
         for chunk in &self.chunks {
             for_each_param(chunk, chunk.first_block, f);
         }
+    }
+
+    /// The ids and ranks (dimensions) of the parameters whose global name and rank satisfy
+    /// `keep`, in module order.
+    pub fn param_ids_where(&self, keep: impl FnMut(&str, usize) -> bool) -> Vec<(ParamId, usize)> {
+        struct Select<K> {
+            keep: K,
+            ids: Vec<(ParamId, usize)>,
+        }
+        impl<B: Backend, K: FnMut(&str, usize) -> bool> ParamFn<B> for Select<K> {
+            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
+                if (self.keep)(name, D) {
+                    self.ids.push((param.id, D));
+                }
+            }
+        }
+        let mut select = Select {
+            keep,
+            ids: Vec::new(),
+        };
+        self.for_each_param(&mut select);
+        select.ids
     }
 
     /// The token embedding's id and the id of the head's tied copy of it, where this rank holds

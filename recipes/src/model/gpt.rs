@@ -63,24 +63,22 @@ pub struct TensorParallel {
 
 /// A part of an activation of the serial model: `range` of its `whole` entries along `dim`.
 #[derive(Debug, Clone)]
-pub struct Part {
+pub struct ActivationPart {
     pub dim: usize,
     pub range: Range<usize>,
     pub whole: usize,
 }
 
-impl TensorParallel {
-    /// The part of the sequence a residual-stream tensor with `local` positions holds (under
-    /// sequence parallelism; the whole otherwise).
-    fn sequence_part(tp: Option<&Self>, local: usize) -> Option<Part> {
-        let tp = tp.filter(|tp| tp.sequence_parallel)?;
-        let start = tp.group.rank() * local;
-        Some(Part {
-            dim: 1,
-            range: start..start + local,
-            whole: local * tp.group.size(),
-        })
-    }
+/// The part of the sequence a residual-stream tensor with `local` positions holds: under
+/// sequence parallelism this rank's (the sequence divides by tp), the whole otherwise (`None`).
+fn sequence_part(tp: Option<&TensorParallel>, local: usize) -> Option<ActivationPart> {
+    let tp = tp.filter(|tp| tp.sequence_parallel)?;
+    let start = tp.group.rank() * local;
+    Some(ActivationPart {
+        dim: 1,
+        range: start..start + local,
+        whole: local * tp.group.size(),
+    })
 }
 
 /// A collective inside the model's forward. The forward has no error path (Burn's modules
@@ -94,10 +92,14 @@ fn collective<T>(result: Result<T, CommError>) -> T {
 /// draws the same numbers. Masks therefore agree where ranks hold the same activation (outside
 /// the tensor-parallel region), differ where they hold different heads or sequence parts, and
 /// equal the serial model's masks for the same seed.
+///
+/// Each rank thus draws `tp` times the random numbers it uses. The part is copied out of the
+/// whole mask: the product saves its mask for the backward, and a view (Flex's `narrow`) would
+/// keep the whole mask alive until then.
 fn dropout_part<B: Backend, const D: usize>(
     dropout: &Dropout,
     x: Tensor<B, D>,
-    part: Option<Part>,
+    part: Option<ActivationPart>,
 ) -> Tensor<B, D> {
     let device = x.device();
     if !B::ad_enabled(&device) || dropout.prob == 0.0 {
@@ -110,7 +112,8 @@ fn dropout_part<B: Backend, const D: usize>(
     }
     let mut mask = Tensor::<B, D>::random(whole, Distribution::Bernoulli(keep), &device);
     if let Some(part) = part {
-        mask = mask.narrow(part.dim, part.range.start, part.range.len());
+        let view = mask.narrow(part.dim, part.range.start, part.range.len());
+        mask = Tensor::from_data(view.into_data(), &device);
     }
     (x * mask) * (1.0 / keep)
 }
@@ -324,25 +327,52 @@ impl<B: CollectiveBackend> Block<B> {
     }
 
     /// This block with the layers `plan` names split over `tp.group`; `index` is its global
-    /// index (the plan's paths name it).
+    /// index (the plan's paths name it). The attention and the MLP are each split as a pair, a
+    /// column-parallel layer then a row-parallel one, or (without sequence parallelism, whose
+    /// activations between the pairs hold a part of the sequence) left whole; another plan is a
+    /// programming error, and panics naming the layers.
     fn shard(self, index: usize, plan: &TpPlan, tp: &TensorParallel) -> Self {
         let (group, sp) = (&tp.group, tp.sequence_parallel);
         let at = |layer: &str| format!("blocks.{index}.{layer}");
-        let c_attn = self.attn.c_attn.shard(&at("attn.c_attn"), plan, group, sp);
+        let pair = |first: GptLinear<B>, second: GptLinear<B>, names: [&str; 2]| {
+            let pair = (
+                first.shard(&at(names[0]), plan, group, sp),
+                second.shard(&at(names[1]), plan, group, sp),
+            );
+            let valid = match &pair {
+                (GptLinear::Column(_), GptLinear::Row(_)) => true,
+                (GptLinear::Whole(_), GptLinear::Whole(_)) => !sp,
+                _ => false,
+            };
+            assert!(
+                valid,
+                "the tensor-parallel plan must make {} column-parallel and {} row-parallel{}",
+                at(names[0]),
+                at(names[1]),
+                if sp { "" } else { ", or leave both whole" }
+            );
+            pair
+        };
+        let (c_attn, c_proj) = pair(
+            self.attn.c_attn,
+            self.attn.c_proj,
+            ["attn.c_attn", "attn.c_proj"],
+        );
         let heads = match &c_attn {
             GptLinear::Whole(_) => self.attn.n_head,
             _ => self.attn.n_head / group.size(),
         };
+        let (c_fc, mlp_proj) = pair(self.mlp.c_fc, self.mlp.c_proj, ["mlp.c_fc", "mlp.c_proj"]);
         Self {
             attn: CausalSelfAttention {
                 c_attn,
-                c_proj: self.attn.c_proj.shard(&at("attn.c_proj"), plan, group, sp),
+                c_proj,
                 n_head: heads,
                 ..self.attn
             },
             mlp: Mlp {
-                c_fc: self.mlp.c_fc.shard(&at("mlp.c_fc"), plan, group, sp),
-                c_proj: self.mlp.c_proj.shard(&at("mlp.c_proj"), plan, group, sp),
+                c_fc,
+                c_proj: mlp_proj,
                 ..self.mlp
             },
             ..self
@@ -364,9 +394,10 @@ impl<B: CollectiveBackend> CausalSelfAttention<B> {
             (Some(q), Some(k), Some(v)) => (q, k, v),
             _ => unreachable!("chunk(3) of a [.., 3d] tensor yields three tensors"),
         };
-        // This rank's heads are a contiguous range of all of them (the QKV columns are split
-        // per section, at head boundaries).
-        let head_part = tp.map(|tp| Part {
+        // A split projection gives this rank a contiguous range of the heads (the QKV columns
+        // are split per section, at head boundaries).
+        let split = matches!(self.c_attn, GptLinear::Column(_));
+        let head_part = tp.filter(|_| split).map(|tp| ActivationPart {
             dim: 1,
             range: tp.group.rank() * heads..(tp.group.rank() + 1) * heads,
             whole: heads * tp.group.size(),
@@ -375,7 +406,7 @@ impl<B: CollectiveBackend> CausalSelfAttention<B> {
         let y = self
             .c_proj
             .forward(y.swap_dims(1, 2).reshape([batch, seq, d]));
-        let part = TensorParallel::sequence_part(tp, y.dims()[1]);
+        let part = sequence_part(tp, y.dims()[1]);
         dropout_part(&self.resid_dropout, y, part)
     }
 }
@@ -389,7 +420,7 @@ pub fn causal_attention<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     dropout: &Dropout,
-    heads: Option<Part>,
+    heads: Option<ActivationPart>,
 ) -> Tensor<B, 4> {
     let [_, _, seq, d_head] = q.dims();
     // Scaling Q (T·d_head entries per head) rather than the scores (T·T) is the same product.
@@ -403,7 +434,7 @@ impl<B: CollectiveBackend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
         let hidden = gelu_tanh(self.c_fc.forward(x));
         let y = self.c_proj.forward(hidden);
-        let part = TensorParallel::sequence_part(tp, y.dims()[1]);
+        let part = sequence_part(tp, y.dims()[1]);
         dropout_part(&self.dropout, y, part)
     }
 }
@@ -503,6 +534,9 @@ impl<B: CollectiveBackend> Gpt<B> {
     /// `plan` names is split as it says (the attention by heads, so each rank computes
     /// `n_head / tp` of them), built from the whole layer's weights, so the parts are bitwise
     /// slices of the serial model's parameters. Apply before [`Gpt::split`] into pipeline stages.
+    /// The plan must split the vocabulary (the token embedding by rows, an untied LM head by
+    /// columns): the head and the loss are vocabulary-parallel. It may leave a block's attention
+    /// or MLP whole, without sequence parallelism (see `Block::shard`); [`TP_PLAN`] splits all.
     pub fn shard(self, plan: &TpPlan, group: &ProcessGroup, sequence_parallel: bool) -> Self {
         let vocab = self
             .embeddings
@@ -522,14 +556,23 @@ impl<B: CollectiveBackend> Gpt<B> {
                 (TokenEmbedding::Whole(table), Some(TpStyle::VocabRows)) => TokenEmbedding::Vocab(
                     VocabParallelEmbedding::from_full(table.weight.val(), group),
                 ),
-                (wte, _) => wte,
+                _ => panic!(
+                    "the tensor-parallel plan must split embeddings.wte by vocabulary rows: the \
+                     head and the loss are vocabulary-parallel"
+                ),
             };
             Embeddings { wte, ..embeddings }
         });
         let head = self.head.map(|head| Head {
-            lm_head: head
-                .lm_head
-                .map(|lm_head| lm_head.shard("head.lm_head", plan, group, sequence_parallel)),
+            lm_head: head.lm_head.map(|lm_head| {
+                match lm_head.shard("head.lm_head", plan, group, sequence_parallel) {
+                    column @ GptLinear::Column(_) => column,
+                    _ => panic!(
+                        "the tensor-parallel plan must make head.lm_head column-parallel: the \
+                         loss is vocabulary-parallel"
+                    ),
+                }
+            }),
             ..head
         });
         let first = self.first_block;
@@ -566,7 +609,7 @@ impl<B: CollectiveBackend> Gpt<B> {
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel) {
             x = collective(scatter_to_parallel_region(x, &tp.group, 1));
         }
-        let part = TensorParallel::sequence_part(tp, x.dims()[1]);
+        let part = sequence_part(tp, x.dims()[1]);
         dropout_part(&embeddings.dropout, x, part)
     }
 

@@ -35,9 +35,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::model::params::ParamFn;
 use burn::data::dataloader::Progress;
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -47,7 +46,6 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainLoader as BurnTrainLoader, TrainingComponents,
     TrainingItem, ValidLoader,
 };
-use wildfire_parallel::tp::TpPlan;
 
 use anyhow::bail;
 use burn::optim::GradientsParams;
@@ -101,6 +99,12 @@ pub struct RankContext {
     pub tensor: ProcessGroup,
     pub replica: ProcessGroup,
     pub layout: ModelLayout,
+    /// The parameters whose gradients another rank puts into the norm (see
+    /// `update::counted_elsewhere`).
+    pub counted_elsewhere: Vec<ParamId>,
+    /// Under sequence parallelism, the parameters (id, rank) whose gradients cover this rank's
+    /// part of the sequence only (see `TpPlan::is_sequence_partial`); empty otherwise.
+    pub sequence_partial: Vec<(ParamId, usize)>,
 }
 
 /// The step-based learning strategy. Besides what burn-train hands to `fit`, it holds the shared
@@ -171,14 +175,13 @@ impl<B: TrainBackend> StepLoop<B> {
             replica: &rank.replica,
             data: &rank.data,
         };
-        let counted_elsewhere = counted_elsewhere(&model, &rank.layout);
         let (model, update) = self.optimizers.update(
             &groups,
             model,
             grads,
             learner.lr_current(),
             self.settings.grad_clip,
-            &counted_elsewhere,
+            &rank.counted_elsewhere,
         )?;
         *self.model.lock().unwrap_or_else(|p| p.into_inner()) = model;
         // Every tensor-parallel rank computed the same loss: count it once.
@@ -246,7 +249,7 @@ impl<B: TrainBackend> StepLoop<B> {
         }
         let mut grads = accumulator.grads();
         self.sum_tied_embedding(model, &mut grads)?;
-        self.sum_sequence_partial(model, &mut grads)?;
+        self.sum_sequence_partial(&mut grads)?;
         Ok((grads, result.stats, Duration::ZERO))
     }
 
@@ -271,10 +274,7 @@ impl<B: TrainBackend> StepLoop<B> {
                 grads.register(copy, sum);
             }
             (Some(id), None, Some(group)) | (None, Some(id), Some(group)) => {
-                let Some(grad) = grads.remove::<B::InnerBackend, 2>(id) else {
-                    bail!("the tied embedding's copy on this rank has no gradient");
-                };
-                grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
+                all_reduce_gradient::<B::InnerBackend, 2>(grads, id, group)?;
             }
             _ => {}
         }
@@ -285,36 +285,9 @@ impl<B: TrainBackend> StepLoop<B> {
     /// parameters every rank holds whole but applies to its part of the sequence only (the
     /// LayerNorms, the row-parallel layers' biases): each rank's is the sum over its positions,
     /// the parameter's is the sum over all of them.
-    fn sum_sequence_partial(
-        &self,
-        model: &GptChunks<B>,
-        grads: &mut GradientsParams,
-    ) -> anyhow::Result<()> {
-        let sequence_parallel = model.chunks[0]
-            .tp
-            .as_ref()
-            .is_some_and(|tp| tp.sequence_parallel);
-        if !sequence_parallel {
-            return Ok(());
-        }
-        struct Partial<'a> {
-            plan: &'a TpPlan,
-            ids: Vec<(ParamId, usize)>,
-        }
-        impl<B: TrainBackend> ParamFn<B> for Partial<'_> {
-            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                if self.plan.is_sequence_partial(name, D) {
-                    self.ids.push((param.id, D));
-                }
-            }
-        }
-        let mut partial = Partial {
-            plan: &self.rank.layout.plan,
-            ids: Vec::new(),
-        };
-        model.for_each_param(&mut partial);
+    fn sum_sequence_partial(&self, grads: &mut GradientsParams) -> anyhow::Result<()> {
         let group = &self.rank.tensor;
-        for (id, dims) in partial.ids {
+        for &(id, dims) in &self.rank.sequence_partial {
             match dims {
                 1 => all_reduce_gradient::<B::InnerBackend, 1>(grads, id, group)?,
                 2 => all_reduce_gradient::<B::InnerBackend, 2>(grads, id, group)?,
@@ -562,7 +535,10 @@ fn all_reduce_gradient<B: Backend, const D: usize>(
     group: &ProcessGroup,
 ) -> anyhow::Result<()> {
     let Some(grad) = grads.remove::<B, D>(id) else {
-        bail!("a sequence-parallel parameter has no gradient");
+        bail!(
+            "a parameter whose gradient is summed over {} has no gradient",
+            group.describe()
+        );
     };
     grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
     Ok(())

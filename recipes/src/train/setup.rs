@@ -22,7 +22,7 @@ use wildfire_parallel::pp::graphs_lock;
 
 use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
-    check_same_init, device_inner, inner_device, zero_layout,
+    check_same_init, counted_elsewhere, device_inner, inner_device, zero_layout,
 };
 use crate::TrainBackend;
 use crate::checkpoint::ModelLayout;
@@ -321,7 +321,7 @@ fn run_rank<B: TrainBackend>(
         ZeroStage::Zero0 => {
             let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
             if let Some(loaded) = &resumed {
-                loaded.apply_moments(&model, &optimizer, &tp_plan)?;
+                loaded.apply_moments(&model, &optimizer, &layout.plan)?;
             }
             Optimizers::Replicated {
                 optimizer,
@@ -339,7 +339,7 @@ fn run_rank<B: TrainBackend>(
             );
             zero.set_params(&dp::flat_params(&model));
             if let Some(loaded) = &resumed {
-                zero.set_moments(&loaded.moments_by_id(&model, &tp_plan)?)?;
+                zero.set_moments(&loaded.moments_by_id(&model, &layout.plan)?)?;
             }
             if stage == ZeroStage::Three {
                 // The optimizer holds the parameters now; the chunks keep placeholders.
@@ -410,6 +410,13 @@ fn run_rank<B: TrainBackend>(
             data,
             plan: plan.clone(),
             tie_group,
+            counted_elsewhere: counted_elsewhere(&model, &layout),
+            sequence_partial: match parallel.sequence_parallel {
+                true => {
+                    model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims))
+                }
+                false => Vec::new(),
+            },
             tensor,
             replica,
             layout,

@@ -16,9 +16,8 @@
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::Context;
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec, ReduceStats, SetParams};
@@ -26,7 +25,6 @@ use wildfire_parallel::fsdp::{StateBytes, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::pp::graphs_lock;
 
 use crate::checkpoint::ModelLayout;
-use crate::model::params::ParamFn;
 use crate::model::{GptChunks, TIED_COPY};
 use crate::optim::{GptOptimizer, clip_factor, grad_sum_of_squares_except, scale_grads};
 
@@ -206,24 +204,14 @@ pub fn counted_elsewhere<B: AutodiffBackend>(
     model: &GptChunks<B>,
     layout: &ModelLayout,
 ) -> Vec<ParamId> {
-    struct Whole<'a> {
-        layout: &'a ModelLayout,
-        ids: Vec<ParamId>,
-    }
-    impl<B: AutodiffBackend> ParamFn<B> for Whole<'_> {
-        fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-            let plan = &self.layout.plan;
-            if name == TIED_COPY || (plan.rank > 0 && !plan.is_split(name, D)) {
-                self.ids.push(param.id);
-            }
-        }
-    }
-    let mut whole = Whole {
-        layout,
-        ids: Vec::new(),
-    };
-    model.for_each_param(&mut whole);
-    whole.ids
+    let plan = &layout.plan;
+    model
+        .param_ids_where(|name, dims| {
+            name == TIED_COPY || (plan.rank > 0 && !plan.is_split(name, dims))
+        })
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect()
 }
 
 /// The inner backend's device of `model`'s parameters.
