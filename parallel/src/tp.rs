@@ -107,6 +107,21 @@ fn part(total: usize, group: &ProcessGroup) -> Range<usize> {
     section_parts(total, 1, group.rank(), group.size()).remove(0)
 }
 
+/// What rank `rank` of `size` holds of `full` along `dim` cut into `sections` equal sections
+/// (see [`section_parts`]): its parts, concatenated in order, as an [`owned`] copy.
+fn rank_part<B: Backend, const D: usize>(
+    full: Tensor<B, D>,
+    dim: usize,
+    sections: usize,
+    (rank, size): (usize, usize),
+) -> Tensor<B, D> {
+    let parts = section_parts(full.dims()[dim], sections, rank, size)
+        .into_iter()
+        .map(|range| full.clone().narrow(dim, range.start, range.len()))
+        .collect();
+    owned(Tensor::cat(parts, dim))
+}
+
 impl<B: CollectiveBackend> ColumnParallelLinear<B> {
     /// This rank's columns of the serial layer's `weight: [n_in, n_out]` and `bias: [n_out]`,
     /// taken from each of `sections` equal column blocks (3 for a fused QKV projection, so
@@ -118,24 +133,10 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
         group: &ProcessGroup,
         gather_output: bool,
     ) -> Self {
-        let [n_in, n_out] = weight.dims();
-        let columns = section_parts(n_out, sections, group.rank(), group.size());
-        let weight = Tensor::cat(
-            columns
-                .iter()
-                .map(|c| weight.clone().slice([0..n_in, c.clone()]))
-                .collect(),
-            1,
-        );
-        let bias = bias.map(|b| {
-            Param::from_tensor(owned(Tensor::cat(
-                columns.iter().map(|c| b.clone().slice(c.clone())).collect(),
-                0,
-            )))
-        });
+        let rank = (group.rank(), group.size());
         Self {
-            weight: Param::from_tensor(owned(weight)),
-            bias,
+            weight: Param::from_tensor(rank_part(weight, 1, sections, rank)),
+            bias: bias.map(|b| Param::from_tensor(rank_part(b, 0, sections, rank))),
             group: Some(group.clone()),
             gather_output,
             sequence_parallel: false,
@@ -175,10 +176,8 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
         bias: Option<Tensor<B, 1>>,
         group: &ProcessGroup,
     ) -> Self {
-        let [n_in, n_out] = weight.dims();
-        let rows = part(n_in, group);
         Self {
-            weight: Param::from_tensor(owned(weight.slice([rows, 0..n_out]))),
+            weight: Param::from_tensor(rank_part(weight, 0, 1, (group.rank(), group.size()))),
             bias: bias.map(|b| Param::from_tensor(owned(b))),
             group: Some(group.clone()),
             sequence_parallel: false,
@@ -212,11 +211,9 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
 impl<B: CollectiveBackend> VocabParallelEmbedding<B> {
     /// This rank's rows of the serial table `weight: [V, d]`.
     pub fn from_full(weight: Tensor<B, 2>, group: &ProcessGroup) -> Self {
-        let [vocab, d] = weight.dims();
-        let rows = part(vocab, group);
         Self {
-            vocab_start: rows.start,
-            weight: Param::from_tensor(owned(weight.slice([rows, 0..d]))),
+            vocab_start: part(weight.dims()[0], group).start,
+            weight: Param::from_tensor(rank_part(weight, 0, 1, (group.rank(), group.size()))),
             group: Some(group.clone()),
         }
     }
@@ -402,25 +399,16 @@ impl TpPlan {
     }
 
     /// This rank's part of the global tensor `full` of parameter `path`: its boxes, concatenated
-    /// along the split dimension (`full` itself when it is not split).
+    /// along the split dimension, as a copy (`full` itself when it is not split).
     pub fn local_part<B: Backend, const D: usize>(
         &self,
         path: &str,
         full: Tensor<B, D>,
     ) -> Tensor<B, D> {
-        let Some(dim) = self.split_dim(path, D) else {
-            return full;
-        };
-        let parts = self
-            .boxes(path, &full.dims())
-            .iter()
-            .map(|part| {
-                let ranges: [Range<usize>; D] =
-                    std::array::from_fn(|d| part.offset[d]..part.offset[d] + part.shape[d]);
-                full.clone().slice(ranges)
-            })
-            .collect();
-        Tensor::cat(parts, dim)
+        match self.split(path, D) {
+            Some((dim, sections)) => rank_part(full, dim, sections, (self.rank, self.size)),
+            None => full,
+        }
     }
 }
 
