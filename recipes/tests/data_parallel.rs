@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 use wildfire_recipes::checkpoint;
@@ -38,7 +38,7 @@ fn dp_args(dir: &Path, accumulation: usize) -> Vec<String> {
     args
 }
 
-fn dp_train(name: &str, accumulation: usize, extra: &[&str]) -> PathBuf {
+fn dp_train(name: &str, accumulation: usize, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let mut args = dp_args(&dir, accumulation);
     args.extend(extra.iter().map(|s| s.to_string()));

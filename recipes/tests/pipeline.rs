@@ -12,8 +12,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
 
 const UNTIED: [&str; 2] = ["--set", "model.tie_embeddings=false"];
@@ -94,7 +92,7 @@ fn tied_embedding_pipelines_stay_close_to_serial() {
 
 /// Trains 10 steps at pp = 2 (with `extra`) checkpointing every 5, forgets steps 5..10 and redoes
 /// them at pp = 4 from the pp = 2 checkpoint of step 5; returns the run directory.
-fn reshard_at_step_5(name: &str, extra: &[&str]) -> PathBuf {
+fn reshard_at_step_5(name: &str, extra: &[&str]) -> RunDir {
     let mut first = vec![
         "--pp",
         "2",

@@ -2,22 +2,19 @@
 //! corpus, checked through the run directory's files (metrics.jsonl, the event file,
 //! checkpoints). Each test uses its own run directory.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
+use common::run_dir;
 use serde_json::Value;
 use wildfire_recipes::CpuBackend;
 
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
-
-fn run_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wildfire-recipe-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
 
 fn wildfire(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_wildfire"))
@@ -273,7 +270,9 @@ fn bad_input_is_named() {
         ],
         "/no/such/corpus.txt",
     );
-    let config = dir.with_extension("toml");
+    let config_dir = run_dir("bad-input-config");
+    std::fs::create_dir_all(&*config_dir).unwrap();
+    let config = config_dir.join("config.toml");
     std::fs::write(
         &config,
         wildfire_recipes::config::DEFAULT_CONFIG.replace("max_steps", "#"),

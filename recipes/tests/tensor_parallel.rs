@@ -21,7 +21,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use burn::backend::Autodiff;
@@ -64,7 +64,7 @@ fn tp_args(dir: &Path, extra: &[&str]) -> Vec<String> {
 }
 
 /// A serial run (one process) with `extra`.
-fn serial(name: &str, extra: &[&str]) -> PathBuf {
+fn serial(name: &str, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let args = tp_args(&dir, extra);
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
@@ -73,7 +73,7 @@ fn serial(name: &str, extra: &[&str]) -> PathBuf {
 }
 
 /// A run of `ranks` processes under `wildfire launch` with `extra`.
-fn launched(name: &str, ranks: usize, port: u16, extra: &[&str]) -> PathBuf {
+fn launched(name: &str, ranks: usize, port: u16, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let args = tp_args(&dir, extra);
     let out = launch(ranks, port, &args);

@@ -14,10 +14,38 @@ pub const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.
 /// Every run here is killed after this long.
 pub const LIMIT: Duration = Duration::from_secs(240);
 
-pub fn run_dir(name: &str) -> PathBuf {
+/// A test's run directory under the system's temporary directory. It is removed when dropped,
+/// unless the test is failing (then it is kept for inspection): a run with a checkpoint every
+/// step takes about 100 MB, and a full test pass makes hundreds of them.
+pub struct RunDir(PathBuf);
+
+impl std::ops::Deref for RunDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for RunDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// An empty run directory for the test run `name` (in this test process).
+pub fn run_dir(name: &str) -> RunDir {
     let dir = std::env::temp_dir().join(format!("wildfire-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    dir
+    RunDir(dir)
 }
 
 /// 10 steps of the tiny model (4 blocks) on short windows, 4 micro-batches per step,
@@ -79,7 +107,7 @@ pub fn text(out: &Output) -> String {
 }
 
 /// `wildfire train` with the base arguments plus `extra`, which must succeed.
-pub fn train(name: &str, extra: &[&str]) -> PathBuf {
+pub fn train(name: &str, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let mut args = base_args(&dir);
     args.extend(extra.iter().map(|s| s.to_string()));
