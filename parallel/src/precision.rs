@@ -1,10 +1,20 @@
-//! Mixed precision: dynamic loss scaling for fp16 training.
+//! Mixed precision: the compute precision of a run, and dynamic loss scaling for fp16.
 //!
-//! fp16 cannot hold a magnitude below 2^-24 ≈ 6e-8, its smallest subnormal (and keeps few
-//! significant bits well above it), and many of a language model's gradients are that small. Backpropagating `S · L` instead
-//! of the loss `L` multiplies every gradient by `S`, which lifts them into fp16's range; the
-//! update then uses `g / S`. Too large an `S` overflows some gradient to ±∞ (or NaN), so
-//! [`DynamicLossScaler`] adapts it, as PyTorch's `GradScaler` and Megatron-LM do:
+//! **Autocast.** Under [`Precision::Bf16`] or [`Precision::Fp16`] the parameters (the master
+//! weights) and the optimizer state stay fp32. A model casts each weight to the compute type
+//! where it is used ([`in_dtype`]), so the cast is a node of the autodiff graph and the
+//! gradient arrives at the fp32 leaf as fp32: gradients are accumulated, reduced over the ranks
+//! and clipped in fp32. Matmuls and elementwise ops run in the compute type (a backend's
+//! half-precision matmul accumulates in fp32); LayerNorm, softmax and the loss cast their input
+//! to fp32 and run there, as PyTorch's autocast and Megatron-LM do, because their sums lose too
+//! much in 8 (bf16) or 11 (fp16) significant bits.
+//!
+//! **Loss scaling.** fp16 cannot hold a magnitude below 2^-24 ≈ 6e-8, its smallest subnormal
+//! (and keeps few significant bits well above it), and many of a language model's gradients are
+//! that small. Backpropagating `S · L` instead of the loss `L` multiplies every gradient by
+//! `S`, which lifts them into fp16's range; the update then uses `g / S`. Too large an `S`
+//! overflows some gradient to ±∞ (or NaN), so [`DynamicLossScaler`] adapts it, as PyTorch's
+//! `GradScaler` and Megatron-LM do:
 //!
 //! ```text
 //! start   S = 2^16
@@ -12,14 +22,99 @@
 //! `growth_interval` (1000) clean steps in a row → S ← 2S
 //! ```
 //!
-//! Every rank must take the same decision, or the replicas diverge: a rank's own verdict
-//! ([`has_non_finite`]) is combined over the group with [`overflow_anywhere`] (an all-reduce of
-//! the maximum) before [`DynamicLossScaler::update`]. Scales are powers of two, so scaling and
-//! unscaling are exact in binary floating point (barring underflow and overflow).
+//! Every rank must take the same decision, or the replicas diverge. A trainer that computes the
+//! global gradient norm `‖S·g‖` (a sum of squares over every rank) has the verdict for free:
+//! a ±∞ or NaN anywhere makes that sum non-finite on every rank ([`unscaled_norm`]). Scales are
+//! powers of two, so scaling and unscaling are exact in binary floating point (barring
+//! underflow and overflow).
+
+use std::fmt;
+use std::str::FromStr;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor};
-use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, ReduceOp};
+use burn::tensor::{DType, FloatDType, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// The precision a model computes in; parameters and optimizer state are fp32 in every case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bfloat16 compute: fp32's range with 8 significant bits; needs no loss scaling.
+    Bf16,
+    /// IEEE half compute: 11 significant bits, magnitudes 6e-8 … 65504; needs loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// The type activations and matmuls use.
+    pub fn compute_dtype(self) -> FloatDType {
+        match self {
+            Self::Fp32 => FloatDType::F32,
+            Self::Bf16 => FloatDType::BF16,
+            Self::Fp16 => FloatDType::F16,
+        }
+    }
+
+    /// Whether training needs a loss scale (fp16's narrow range).
+    pub fn scales_loss(self) -> bool {
+        self == Self::Fp16
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Fp32 => "fp32",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+        })
+    }
+}
+
+impl FromStr for Precision {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "fp32" => Ok(Self::Fp32),
+            "bf16" => Ok(Self::Bf16),
+            "fp16" => Ok(Self::Fp16),
+            other => Err(format!(
+                "precision {other:?} is not one of fp32, bf16, fp16"
+            )),
+        }
+    }
+}
+
+/// `tensor` in `dtype`; unchanged, without a graph node, when it already is.
+pub fn in_dtype<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+    dtype: FloatDType,
+) -> Tensor<B, D> {
+    if tensor.dtype() == DType::from(dtype) {
+        tensor
+    } else {
+        tensor.cast(dtype)
+    }
+}
+
+/// `f(x)` computed in fp32 and returned in `x`'s type: for the ops autocast keeps in fp32
+/// (normalisations, softmax), whose parameters, if any, are fp32 masters.
+pub fn in_fp32<B: Backend, const D: usize, const E: usize>(
+    x: Tensor<B, D>,
+    f: impl FnOnce(Tensor<B, D>) -> Tensor<B, E>,
+) -> Tensor<B, E> {
+    let dtype = FloatDType::from(x.dtype());
+    in_dtype(f(in_dtype(x, FloatDType::F32)), dtype)
+}
+
+/// The true gradient norm `‖g‖ = ‖S·g‖ / S` from the norm of the scaled gradients, or `None`
+/// when that norm is not finite: some gradient overflowed (see the module doc).
+pub fn unscaled_norm(scaled_norm: f64, scale: f64) -> Option<f64> {
+    scaled_norm.is_finite().then(|| scaled_norm / scale)
+}
 
 /// What to do with a step whose gradients were checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +125,9 @@ pub enum StepDecision {
     Skip,
 }
 
-/// The loss scale `S` and its adaptation (see the module doc).
-#[derive(Debug, Clone, PartialEq)]
+/// The loss scale `S` and its adaptation (see the module doc). Its whole state serializes, so a
+/// checkpoint can resume it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DynamicLossScaler {
     scale: f64,
     growth_interval: u32,
@@ -84,6 +180,11 @@ impl DynamicLossScaler {
         self.scale
     }
 
+    /// Clean steps in a row after which the scale doubles.
+    pub fn growth_interval(&self) -> u32 {
+        self.growth_interval
+    }
+
     /// Steps skipped for overflow so far.
     pub fn skipped_steps(&self) -> u64 {
         self.skipped_steps
@@ -107,32 +208,10 @@ impl DynamicLossScaler {
     }
 }
 
-/// Whether `tensor` holds an infinite or NaN element. Its sum is checked: any ±∞ or NaN makes
-/// the sum non-finite, and so does a sum of finite values beyond the largest float, which
-/// would overflow the update anyway.
-pub fn has_non_finite<B: Backend, const D: usize>(tensor: &Tensor<B, D>) -> bool {
-    let sum: f64 = tensor.clone().sum().into_scalar().elem();
-    !sum.is_finite()
-}
-
-/// Whether any rank of `group` saw an overflow: every rank's `local` verdict, all-reduced with
-/// the maximum, so every rank gets the same answer.
-pub fn overflow_anywhere(local: bool, group: &ProcessGroup) -> Result<bool, CommError> {
-    if group.size() == 1 {
-        return Ok(local);
-    }
-    let verdict = HostTensor::new(vec![f64::from(u8::from(local))], vec![1]);
-    let any = group.all_reduce_host(verdict, ReduceOp::Max)?;
-    Ok(any.data[0] > 0.0)
-}
-
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use burn::backend::Flex;
     use burn::tensor::TensorData;
-    use wildfire_backend::comm::CommOptions;
 
     use super::*;
 
@@ -190,47 +269,41 @@ mod tests {
     }
 
     #[test]
-    fn infinities_and_nans_are_found() {
-        let device = Default::default();
-        let tensor = |values: Vec<f32>| {
-            Tensor::<Flex, 1>::from_data(TensorData::new(values.clone(), [values.len()]), &device)
-        };
-        assert!(!has_non_finite(&tensor(vec![1.0, -2.0, 3e38])));
-        assert!(has_non_finite(&tensor(vec![1.0, f32::INFINITY])));
-        assert!(has_non_finite(&tensor(vec![f32::NEG_INFINITY, 1.0])));
-        assert!(has_non_finite(&tensor(vec![f32::NAN, 1.0])));
-        assert!(has_non_finite(&tensor(vec![
-            f32::INFINITY,
-            f32::NEG_INFINITY
-        ])));
+    fn a_non_finite_norm_is_an_overflow() {
+        assert_eq!(unscaled_norm(8.0, 4.0), Some(2.0));
+        assert_eq!(unscaled_norm(f64::INFINITY, 4.0), None);
+        assert_eq!(unscaled_norm(f64::NAN, 1.0), None);
     }
 
-    /// An overflow on one rank skips the step on both, and both scalers stay equal.
     #[test]
-    fn one_ranks_overflow_skips_the_step_everywhere() {
-        let options = CommOptions {
-            timeout: Duration::from_secs(30),
-            debug: true,
-        };
-        let ranks: Vec<_> = ProcessGroup::local_world(2, options)
-            .unwrap()
-            .into_iter()
-            .map(|group| {
-                std::thread::spawn(move || {
-                    let mut scaler = DynamicLossScaler::default();
-                    let local = group.rank() == 1;
-                    let decision = scaler.update(overflow_anywhere(local, &group).unwrap());
-                    let clean = scaler.update(overflow_anywhere(false, &group).unwrap());
-                    (decision, clean, scaler)
-                })
-            })
-            .collect();
-        let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
-        for (decision, clean, scaler) in &results {
-            assert_eq!(*decision, StepDecision::Skip);
-            assert_eq!(*clean, StepDecision::Apply);
-            assert_eq!(scaler.scale(), 32768.0);
+    fn precisions_parse_and_print() {
+        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
+            assert_eq!(precision.to_string().parse::<Precision>(), Ok(precision));
         }
-        assert_eq!(results[0].2, results[1].2);
+        assert_eq!(
+            "fp8".parse::<Precision>().unwrap_err(),
+            "precision \"fp8\" is not one of fp32, bf16, fp16"
+        );
+        assert!(Precision::Fp16.scales_loss() && !Precision::Bf16.scales_loss());
+    }
+
+    /// Casts are skipped when the type is already right; fp32 sections return the input's type.
+    #[test]
+    fn casts_to_the_compute_type_and_back() {
+        let device = Default::default();
+        let x =
+            Tensor::<Flex, 1>::from_data(TensorData::new(vec![1.0f32, 2.5, -3.0], [3]), &device);
+        let half = in_dtype(x.clone(), FloatDType::BF16);
+        assert_eq!(half.dtype(), DType::BF16);
+        let doubled = in_fp32(half, |x| {
+            assert_eq!(x.dtype(), DType::F32);
+            x * 2.0
+        });
+        assert_eq!(doubled.dtype(), DType::BF16);
+        let back = in_dtype(doubled, FloatDType::F32);
+        assert_eq!(
+            back.into_data().to_vec::<f32>().unwrap(),
+            vec![2.0, 5.0, -6.0]
+        );
     }
 }

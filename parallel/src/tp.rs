@@ -11,6 +11,8 @@
 //! graph lock, which deadlocks their backward collectives.
 //!
 //! Notation: `Y = XA + b` with `X: [.., n_in]`, `A: [n_in, n_out]` (Burn's `Linear` layout).
+//! The product runs in `X`'s type: fp32 weights meet bf16 or fp16 activations cast to them
+//! (see [`crate::precision`]).
 //!
 //! **Sequence parallelism** (Megatron-LM's SP, for activations `[batch, seq, features]`): between
 //! a row-parallel layer and the next column-parallel one (LayerNorm, dropout, residual adds) each
@@ -24,12 +26,14 @@ use std::ops::Range;
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor};
 use wildfire_backend::collective::{
     self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
     gather_from_parallel_region, reduce_from_parallel_region, reduce_scatter_to_sequence_region,
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
+
+use crate::precision::in_dtype;
 
 /// `A = [A_1 … A_p]` split by output columns: rank `r` computes `Y_r = X A_r + b_r`. The input
 /// goes through `f` (identity forward; the gradient `∂L/∂X = Σ_r ∂L_r/∂X` is all-reduced
@@ -158,9 +162,10 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
         } else {
             copy_to_parallel_region(x, group)?
         };
-        let mut y = x.matmul(self.weight.val().unsqueeze());
+        let dtype = FloatDType::from(x.dtype());
+        let mut y = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
         if let Some(bias) = &self.bias {
-            y = y + bias.val().unsqueeze();
+            y = y + in_dtype(bias.val(), dtype).unsqueeze();
         }
         if self.gather_output {
             y = gather_from_parallel_region(y, group, D - 1)?;
@@ -194,7 +199,8 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
 
     /// `x` is this rank's input columns (`[.., n_in/p]`, e.g. a column-parallel output).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, CommError> {
-        let partial = x.matmul(self.weight.val().unsqueeze());
+        let dtype = FloatDType::from(x.dtype());
+        let partial = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
         let group = group_of(&self.group);
         let mut y = if self.sequence_parallel {
             reduce_scatter_to_sequence_region(partial, group, 1)?
@@ -202,7 +208,7 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
             reduce_from_parallel_region(partial, group)?
         };
         if let Some(bias) = &self.bias {
-            y = y + bias.val().unsqueeze();
+            y = y + in_dtype(bias.val(), dtype).unsqueeze();
         }
         Ok(y)
     }

@@ -9,6 +9,8 @@ use clap::{Args, Parser, Subcommand};
 use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
 use wildfire_backend::launch::{self, LaunchConfig};
 
+use wildfire_parallel::precision::Precision;
+
 use crate::CpuBackend;
 use crate::config::RunConfig;
 use crate::config::Transport;
@@ -93,6 +95,10 @@ pub struct TrainArgs {
     /// Blocks of each pipeline stage, e.g. 1,2,1 (sets parallel.stage_layers).
     #[arg(long, value_delimiter = ',')]
     pub stage_layers: Option<Vec<usize>>,
+    /// Compute precision: fp32, bf16 or fp16 (fp32 master weights and optimizer state, fp16
+    /// with dynamic loss scaling) (sets precision.compute).
+    #[arg(long, value_name = "fp32|bf16|fp16")]
+    pub precision: Option<Precision>,
     /// Where the ranks run: `launch` (one process each, as `wildfire launch` starts them) or
     /// `local` (threads of this process) (sets parallel.transport).
     #[arg(long, value_enum)]
@@ -140,6 +146,10 @@ impl TrainArgs {
         set(
             "parallel.stage_layers",
             self.stage_layers.as_ref().map(|list| format!("{list:?}")),
+        );
+        set(
+            "precision.compute",
+            self.precision.map(|p| quoted(&p.to_string())),
         );
         set(
             "parallel.transport",

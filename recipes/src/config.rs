@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
+use wildfire_parallel::precision::{DynamicLossScaler, Precision};
 
 use crate::data::TokenizerKind;
 use crate::model::{GptConfig, Preset};
@@ -30,6 +31,49 @@ pub struct RunConfig {
     /// Absent in configs that do not parallelize (one rank).
     #[serde(default)]
     pub parallel: ParallelSection,
+    /// Absent in fp32 configs.
+    #[serde(default)]
+    pub precision: PrecisionSection,
+}
+
+/// The compute precision and fp16's loss scaling (see `wildfire_parallel::precision`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrecisionSection {
+    /// fp32, bf16 or fp16; parameters and optimizer state are fp32 in every case.
+    pub compute: Precision,
+    /// fp16: the first loss scale, a power of two.
+    pub initial_loss_scale: f64,
+    /// fp16: clean steps in a row after which the loss scale doubles.
+    pub loss_scale_window: u32,
+}
+
+impl Default for PrecisionSection {
+    fn default() -> Self {
+        let scaler = DynamicLossScaler::default();
+        Self {
+            compute: Precision::Fp32,
+            initial_loss_scale: scaler.scale(),
+            loss_scale_window: scaler.growth_interval(),
+        }
+    }
+}
+
+impl PrecisionSection {
+    /// The loss scaler of an fp16 run (`None` for fp32 and bf16).
+    pub fn scaler(&self) -> anyhow::Result<Option<DynamicLossScaler>> {
+        if !self.compute.scales_loss() {
+            return Ok(None);
+        }
+        let scaler = DynamicLossScaler::new(self.initial_loss_scale, self.loss_scale_window)
+            .with_context(|| {
+                format!(
+                    "precision.initial_loss_scale = {}, precision.loss_scale_window = {}",
+                    self.initial_loss_scale, self.loss_scale_window
+                )
+            })?;
+        Ok(Some(scaler))
+    }
 }
 
 /// A preset plus explicit overrides; without a preset every size must be given.
@@ -332,6 +376,7 @@ impl RunConfig {
             );
         }
         self.parallel.bucket_bytes()?;
+        self.precision.scaler()?;
         Ok(())
     }
 }

@@ -30,6 +30,7 @@ use burn::optim::{AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
+use wildfire_parallel::precision::DynamicLossScaler;
 
 use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
@@ -78,6 +79,9 @@ pub struct TrainState {
     /// The shapes of parameters stored flattened in pieces (ZeRO 3), to restore on load.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub flat_shapes: BTreeMap<String, Vec<usize>>,
+    /// fp16's loss scaler after `step` steps (fp16 runs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<DynamicLossScaler>,
 }
 
 fn to_slice(name: String, data: TensorData) -> anyhow::Result<TensorSlice> {

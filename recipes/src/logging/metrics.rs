@@ -5,6 +5,8 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use super::LossScaleRecord;
+
 use burn::train::ItemLazy;
 use burn::train::metric::state::{FormatOptions, NumericMetricState};
 use burn::train::metric::{
@@ -30,6 +32,8 @@ pub struct StepOutput {
     /// Time in data- and tensor-parallel collectives during the step (see
     /// `StepRecord::comm_ms`).
     pub comm_ms: Option<f64>,
+    /// fp16's loss scaling in the step (fp16 runs only).
+    pub loss_scale: Option<LossScaleRecord>,
 }
 
 impl ItemLazy for StepOutput {

@@ -28,9 +28,24 @@ pub struct StepRecord {
     /// 1/2 update is not counted), plus its tensor-parallel collectives (those inside the
     /// forwards and backwards, and the sequence-parallel gradient sums).
     pub comm_ms: f64,
+    /// fp16's loss scaling, in fp16 runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleRecord>,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineRecord>,
+}
+
+/// fp16's dynamic loss scaling in one step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossScaleRecord {
+    /// The scale `S` the step's loss was multiplied by before its backward.
+    pub scale: f64,
+    /// Whether a gradient overflowed, so the step was skipped (parameters and optimizer state
+    /// unchanged) and the scale halved.
+    pub skipped: bool,
+    /// Steps skipped so far in the run.
+    pub skipped_steps: u64,
 }
 
 /// What a pipeline step measured on every rank.
@@ -94,6 +109,12 @@ impl MetricsSink {
             .add_scalar("train/tokens_per_sec", record.tokens_per_sec as f32, step)?;
         if let Some(mfu) = record.mfu {
             self.events.add_scalar("train/mfu", mfu as f32, step)?;
+        }
+        if let Some(scaling) = &record.loss_scale {
+            self.events
+                .add_scalar("train/loss_scale", scaling.scale as f32, step)?;
+            self.events
+                .add_scalar("train/skipped_steps", scaling.skipped_steps as f32, step)?;
         }
         if let Some(pipeline) = &record.pipeline {
             self.events.add_scalar(

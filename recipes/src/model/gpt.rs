@@ -14,12 +14,13 @@ use burn::nn::{
 };
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Distribution, Int, Tensor};
+use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
 use wildfire_backend::collective::{
     CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
     scatter_to_parallel_region,
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -129,7 +130,12 @@ pub enum GptLinear<B: Backend> {
 impl<B: CollectiveBackend> GptLinear<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
-            Self::Whole(linear) => linear.forward(x),
+            Self::Whole(linear) => {
+                let dtype = FloatDType::from(x.dtype());
+                let weight = in_dtype(linear.weight.val(), dtype);
+                let bias = linear.bias.as_ref().map(|b| in_dtype(b.val(), dtype));
+                burn::tensor::module::linear(x, weight, bias)
+            }
             Self::Column(linear) => collective(linear.forward(x)),
             Self::Row(linear) => collective(linear.forward(x)),
         }
@@ -253,6 +259,10 @@ pub struct Gpt<B: Backend> {
     /// Under tensor parallelism, the group and how this rank's part sits in the whole.
     #[module(skip)]
     pub tp: Option<TensorParallel>,
+    /// The type the residual stream and the matmuls compute in (the parameters stay fp32; see
+    /// `wildfire_parallel::precision`).
+    #[module(skip)]
+    pub precision: Precision,
 }
 
 /// A linear layer initialised as GPT-2 does: weights N(0, std²), biases zero. Every linear layer
@@ -322,8 +332,8 @@ impl<B: Backend> Block<B> {
 impl<B: CollectiveBackend> Block<B> {
     /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), tp);
-        x.clone() + self.mlp.forward(self.ln_2.forward(x), tp)
+        let x = x.clone() + self.attn.forward(layer_norm_fp32(&self.ln_1, x), tp);
+        x.clone() + self.mlp.forward(layer_norm_fp32(&self.ln_2, x), tp)
     }
 
     /// This block with the layers `plan` names split over `tp.group`; `index` is its global
@@ -427,7 +437,8 @@ pub fn causal_attention<B: Backend>(
     let scores = (q * (1.0 / (d_head as f64).sqrt())).matmul(k.swap_dims(2, 3));
     let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
     let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
-    dropout_part(dropout, softmax(scores, 3), heads).matmul(v)
+    let weights = in_fp32(scores, |scores| softmax(scores, 3));
+    dropout_part(dropout, weights, heads).matmul(v)
 }
 
 impl<B: CollectiveBackend> Mlp<B> {
@@ -437,6 +448,12 @@ impl<B: CollectiveBackend> Mlp<B> {
         let part = sequence_part(tp, y.dims()[1]);
         dropout_part(&self.dropout, y, part)
     }
+}
+
+/// LayerNorm computed in fp32 (its fp32 parameters on the input cast up), returned in the
+/// input's type: its mean and variance lose too much in half precision.
+fn layer_norm_fp32<B: Backend>(norm: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    in_fp32(x, |x| norm.forward(x))
 }
 
 /// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, computed as the equal
@@ -486,9 +503,15 @@ impl<B: Backend> Gpt<B> {
             head,
             first_block: stage.first_block,
             tp: None,
+            precision: Precision::Fp32,
         };
         model.visit(&mut DrawNow);
         model
+    }
+
+    /// The same model computing in `precision`'s type.
+    pub fn with_precision(self, precision: Precision) -> Self {
+        Self { precision, ..self }
     }
 
     /// Cuts the whole model into the pipeline stages `stages` (contiguous, in order, covering
@@ -523,6 +546,7 @@ impl<B: Backend> Gpt<B> {
                     head: stage_head,
                     first_block: stage.first_block,
                     tp: self.tp.clone(),
+                    precision: self.precision,
                 }
             })
             .collect()
@@ -588,6 +612,7 @@ impl<B: CollectiveBackend> Gpt<B> {
             head,
             first_block: first,
             tp: Some(tp),
+            precision: self.precision,
         }
     }
 
@@ -604,7 +629,10 @@ impl<B: CollectiveBackend> Gpt<B> {
             TokenEmbedding::Whole(table) => table.forward(tokens),
             TokenEmbedding::Vocab(table) => collective(table.forward(tokens)),
         };
-        let mut x = tokens + embeddings.wpe.forward(positions);
+        let mut x = in_dtype(
+            tokens + embeddings.wpe.forward(positions),
+            self.precision.compute_dtype(),
+        );
         let tp = self.tp.as_ref();
         if let Some(tp) = tp.filter(|tp| tp.sequence_parallel) {
             x = collective(scatter_to_parallel_region(x, &tp.group, 1));
@@ -627,7 +655,7 @@ impl<B: CollectiveBackend> Gpt<B> {
             .head
             .as_ref()
             .expect("logits() on a stage without the head");
-        let x = head.ln_f.forward(x);
+        let x = layer_norm_fp32(&head.ln_f, x);
         if let Some(lm_head) = &head.lm_head {
             return lm_head.forward(x);
         }
@@ -645,7 +673,8 @@ impl<B: CollectiveBackend> Gpt<B> {
             }
             Some(tp) => collective(copy_to_parallel_region(x, &tp.group)),
         };
-        x.matmul(wte.val().transpose().unsqueeze())
+        let wte = in_dtype(wte.val(), FloatDType::from(x.dtype()));
+        x.matmul(wte.transpose().unsqueeze())
     }
 
     /// Logits of the whole model.
@@ -657,6 +686,7 @@ impl<B: CollectiveBackend> Gpt<B> {
     /// parallelism from this rank's vocabulary columns, without gathering the full logits, the
     /// same value on every rank.
     pub fn loss_sum(&self, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let logits = in_dtype(logits, FloatDType::F32);
         match &self.tp {
             None => cross_entropy_sum(logits, targets).0,
             Some(tp) => {

@@ -53,13 +53,15 @@ use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
 use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
 use wildfire_parallel::mesh::PipelinePlan;
 use wildfire_parallel::pp::{StepStats, run_forward, run_step};
+use wildfire_parallel::precision::{DynamicLossScaler, StepDecision};
 
 use crate::TrainBackend;
 use crate::checkpoint::{self, ModelLayout, TrainState};
 use crate::data::{Sampler, SplitMix64};
-use crate::logging::{MetricsSink, PipelineRecord, StepOutput, StepRecord};
+use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
 use crate::optim::{GptOptimizer, WarmupCosine};
+use update::lock;
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
@@ -116,6 +118,8 @@ pub struct StepLoop<B: TrainBackend> {
     pub model: Mutex<GptChunks<B>>,
     pub optimizers: Optimizers<B>,
     pub sampler: Arc<Mutex<Sampler>>,
+    /// fp16's dynamic loss scale (fp16 runs only); every rank keeps the same one.
+    pub scaler: Option<Mutex<DynamicLossScaler>>,
     /// Metric files, on rank 0 only.
     pub sink: Option<Mutex<MetricsSink>>,
     /// Checkpoint template: everything but the step-dependent fields.
@@ -160,8 +164,9 @@ impl<B: TrainBackend> StepLoop<B> {
         B::seed(&device, step_seed(self.settings.seed, step));
         let mut micro: Vec<TokenBatch<B>> = batches.take(self.settings.grad_accum).collect();
         let tokens = self.settings.dp * micro.iter().map(TokenBatch::tokens).sum::<usize>();
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| lock(s).scale());
         for batch in &mut micro {
-            batch.loss_scale = 1.0 / tokens as f64;
+            batch.loss_scale = loss_scale / tokens as f64;
         }
         learner.lr_step();
         let tensor_comm = self.rank.tensor.comm_time();
@@ -182,8 +187,18 @@ impl<B: TrainBackend> StepLoop<B> {
             learner.lr_current(),
             self.settings.grad_clip,
             &rank.counted_elsewhere,
+            loss_scale,
         )?;
         *self.model.lock().unwrap_or_else(|p| p.into_inner()) = model;
+        let loss_scale = self.scaler.as_ref().map(|scaler| {
+            let mut scaler = lock(scaler);
+            let skipped = scaler.update(update.grad_norm.is_none()) == StepDecision::Skip;
+            LossScaleRecord {
+                scale: loss_scale,
+                skipped,
+                skipped_steps: scaler.skipped_steps(),
+            }
+        });
         // Every tensor-parallel rank computed the same loss: count it once.
         let loss = match rank.tensor.rank() {
             0 => stats.loss,
@@ -197,7 +212,7 @@ impl<B: TrainBackend> StepLoop<B> {
             loss_sum,
             tokens,
             step_loss: Some(loss_sum / tokens as f64),
-            grad_norm: Some(update.grad_norm),
+            grad_norm: Some(update.grad_norm.unwrap_or(f64::INFINITY)),
             tokens_per_sec: Some(tokens_per_sec),
             mfu: self
                 .settings
@@ -207,6 +222,7 @@ impl<B: TrainBackend> StepLoop<B> {
                 .as_ref()
                 .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
             comm_ms: Some(1e3 * (update.reduce.comm + unit_comm + tensor_comm).as_secs_f64()),
+            loss_scale,
         };
         Ok((output, pipeline))
     }
@@ -377,6 +393,7 @@ impl<B: TrainBackend> StepLoop<B> {
             step,
             cursor,
             schedule_step: step,
+            loss_scaler: self.scaler.as_ref().map(|s| lock(s).clone()),
             ..self.state.clone()
         };
         checkpoint::save(
@@ -473,6 +490,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                 step_time_ms: 1e3 * output.tokens as f64
                     / output.tokens_per_sec.unwrap_or(f64::NAN),
                 comm_ms: output.comm_ms.unwrap_or_default(),
+                loss_scale: output.loss_scale,
                 pipeline,
             };
             self.losses

@@ -278,7 +278,8 @@ fn run_rank<B: TrainBackend>(
         // pipeline's lock, so every rank draws the same model and no graph is cleaned meanwhile.
         let _lock = graphs_lock();
         B::seed(&device, config.train.seed);
-        let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device);
+        let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
+            .with_precision(config.precision.compute);
         let whole = match (&resumed, &config.run.init_from) {
             (Some(loaded), _) => loaded.apply_params(whole)?,
             (None, Some(source)) => crate::hf::init_from(whole, source)?,
@@ -373,6 +374,13 @@ fn run_rank<B: TrainBackend>(
             .then(|| pipe.subgroup(&[0, last_rank]))
             .transpose()?;
     let sampler = Arc::new(Mutex::new(sampler));
+    // A resumed fp16 run continues with its saved scale.
+    let scaler = match (config.precision.scaler()?, &resumed) {
+        (Some(_), Some(loaded)) if loaded.state.loss_scaler.is_some() => {
+            loaded.state.loss_scaler.clone()
+        }
+        (scaler, _) => scaler,
+    };
     let strategy = Arc::new(StepLoop {
         settings: LoopSettings {
             start_step,
@@ -390,6 +398,7 @@ fn run_rank<B: TrainBackend>(
         model: Mutex::new(model.clone()),
         optimizers,
         sampler: sampler.clone(),
+        scaler: scaler.map(Mutex::new),
         sink,
         state: TrainState {
             step: start_step,
@@ -402,6 +411,7 @@ fn run_rank<B: TrainBackend>(
             schedule_step: start_step,
             optimizer_steps: Default::default(),
             flat_shapes: Default::default(),
+            loss_scaler: None,
         },
         checkpoint_root: run_dir.join("checkpoints"),
         rank: RankContext {

@@ -23,6 +23,7 @@ use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec, ReduceStats, SetParams};
 use wildfire_parallel::fsdp::{StateBytes, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::pp::graphs_lock;
+use wildfire_parallel::precision::unscaled_norm;
 
 use crate::checkpoint::ModelLayout;
 use crate::model::{GptChunks, TIED_COPY};
@@ -51,7 +52,8 @@ impl<B: AutodiffBackend> std::fmt::Debug for Optimizers<B> {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+/// `mutex`'s value, also after a panic elsewhere poisoned it.
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -69,8 +71,33 @@ pub struct UpdateGroups<'a> {
 /// What an update measured.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UpdateStats {
-    pub grad_norm: f64,
+    /// The global norm of the (unscaled) gradients before clipping; `None` when some gradient
+    /// overflowed, and the update was skipped.
+    pub grad_norm: Option<f64>,
     pub reduce: ReduceStats,
+}
+
+impl UpdateStats {
+    fn applied(grad_norm: f64, reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm: Some(grad_norm),
+            reduce,
+        }
+    }
+
+    fn skipped(reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm: None,
+            reduce,
+        }
+    }
+}
+
+/// The factor that unscales gradients of `loss_scale · L` and clips them to `max_norm` (given
+/// their true norm), or `None` when it is 1.
+fn unscale_and_clip(grad_norm: f64, max_norm: f64, loss_scale: f64) -> Option<f64> {
+    let factor = clip_factor(grad_norm, max_norm).unwrap_or(1.0) / loss_scale;
+    (factor != 1.0).then_some(factor)
 }
 
 /// `value` summed over `group` (itself in a group of one).
@@ -149,6 +176,14 @@ impl<B: AutodiffBackend> Optimizers<B> {
     /// reduced to owned parts) over the data-parallel ranks, clips by the global norm with
     /// `max_norm`, and returns the updated model. `counted_elsewhere` are the parameters whose
     /// gradients another rank puts into the norm (see the module doc).
+    ///
+    /// The gradients are those of `loss_scale · L` (fp16's loss scaling; 1 otherwise): they are
+    /// unscaled together with the clipping, `g ← g · min(1, max_norm/‖g‖) / S` with
+    /// `‖g‖ = ‖S·g‖ / S`. When `‖S·g‖` is not finite, some gradient on some rank overflowed:
+    /// every rank sees the same sum of squares, so every rank returns the model unchanged
+    /// (`grad_norm: None`). A gradient left out of the sum (`counted_elsewhere`) is an exact
+    /// copy of one in it, so it cannot overflow alone.
+    #[allow(clippy::too_many_arguments)]
     pub fn update(
         &self,
         groups: &UpdateGroups,
@@ -157,6 +192,7 @@ impl<B: AutodiffBackend> Optimizers<B> {
         lr: f64,
         max_norm: f64,
         counted_elsewhere: &[ParamId],
+        loss_scale: f64,
     ) -> anyhow::Result<(GptChunks<B>, UpdateStats)> {
         let device = inner_device(&model);
         match self {
@@ -164,13 +200,16 @@ impl<B: AutodiffBackend> Optimizers<B> {
                 let (mut grads, reduce) =
                     dp::all_reduce_gradients(groups.data, layout, &model, grads, &device)?;
                 let squares = grad_sum_of_squares_except(&model, &grads, counted_elsewhere);
-                let grad_norm = group_sum(groups.replica, squares)?.sqrt();
-                if let Some(factor) = clip_factor(grad_norm, max_norm) {
+                let scaled_norm = group_sum(groups.replica, squares)?.sqrt();
+                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
+                    return Ok((model, UpdateStats::skipped(reduce)));
+                };
+                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
                     scale_grads(&model, &mut grads, factor);
                 }
                 let _lock = graphs_lock();
                 let model = optimizer.clone().step(lr, model, grads);
-                Ok((model, UpdateStats { grad_norm, reduce }))
+                Ok((model, UpdateStats::applied(grad_norm, reduce)))
             }
             Self::Sharded(zero) => {
                 let mut zero = lock(zero);
@@ -179,8 +218,11 @@ impl<B: AutodiffBackend> Optimizers<B> {
                     _ => zero.reduce(&model, grads)?,
                 };
                 let squares = zero.shard_sum_of_squares(&grads, counted_elsewhere);
-                let grad_norm = group_sum(groups.world, squares)?.sqrt();
-                if let Some(factor) = clip_factor(grad_norm, max_norm) {
+                let scaled_norm = group_sum(groups.world, squares)?.sqrt();
+                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
+                    return Ok((model, UpdateStats::skipped(reduce)));
+                };
+                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
                     zero.scale_shards(&mut grads, factor);
                 }
                 let current = match zero.stage() {
@@ -191,7 +233,7 @@ impl<B: AutodiffBackend> Optimizers<B> {
                 drop(current);
                 let _lock = graphs_lock();
                 let model = model.map(&mut SetParams(&updated));
-                Ok((model, UpdateStats { grad_norm, reduce }))
+                Ok((model, UpdateStats::applied(grad_norm, reduce)))
             }
         }
     }

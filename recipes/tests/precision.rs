@@ -1,0 +1,231 @@
+//! Mixed-precision training (`--precision`): bf16 and fp16 compute against fp32 with fp32
+//! master weights, fp16's dynamic loss scaling on overflow (the step skipped on every rank with
+//! the parameters unchanged, the scale halved), and the scaler's state across a resume.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, TensorData};
+use common::*;
+use serde_json::Value;
+use wildfire_recipes::CpuBackend;
+use wildfire_recipes::checkpoint;
+use wildfire_recipes::model::params::collect_params;
+use wildfire_recipes::model::{Gpt, StageSpec};
+
+/// 2^20: some of the tiny model's gradients of `S · L` overflow fp16 (largest 65504) at this
+/// scale, so the first steps are skipped until the halved scale fits.
+const OVERFLOWING_SCALE: &str = "precision.initial_loss_scale=1048576";
+
+/// fp16 from an overflowing scale, with a checkpoint after every step (all kept).
+fn fp16_overflowing(extra: &[&str]) -> Vec<String> {
+    [
+        "--precision",
+        "fp16",
+        "--set",
+        OVERFLOWING_SCALE,
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep_last=0",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn train_with(name: &str, extra: &[String]) -> RunDir {
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    train(name, &extra)
+}
+
+/// The parameters the run in `dir` started from: the model its config and seed draw.
+fn initial_params(dir: &Path) -> BTreeMap<String, TensorData> {
+    let latest = checkpoint::resolve(dir).expect("a checkpoint");
+    let state = checkpoint::load(&latest).expect("readable").state;
+    let device = Default::default();
+    CpuBackend::seed(&device, state.config.train.seed);
+    let model = Gpt::<CpuBackend>::new(&state.model, StageSpec::whole(&state.model), &device);
+    collect_params(&model, 0)
+        .into_iter()
+        .map(|(name, _, data)| (name, data))
+        .collect()
+}
+
+/// bf16 and fp16 compute train like fp32, with master weights (the checkpointed parameters) in
+/// fp32.
+///
+/// Tolerances, relative to fp32's loss:
+/// - **Step 0** (the same parameters, so only the forward's rounding differs): one rounding unit
+///   of the compute type, 2^-9 ≈ 2.0e-3 for bf16 (8 significant bits) and 2^-12 ≈ 2.4e-4 for
+///   fp16 (11 bits). The loss is computed in fp32 from logits rounded to the compute type, and
+///   the roundings of a matmul's many products largely cancel: measured 1.2e-5 (bf16) and
+///   7.3e-6 (fp16).
+/// - **Every step of 10: 1e-2.** From step 1 the parameters differ too: AdamW divides each
+///   gradient by its running RMS, so a rounding difference in a small gradient moves its element
+///   by a visible fraction of the learning rate, and the runs drift apart (the same effect as
+///   tensor parallelism's reordered sums, see `tensor_parallel.rs`). Measured worst: 2.3e-3
+///   (bf16) and 2.5e-3 (fp16).
+#[test]
+fn half_precision_trains_like_fp32() {
+    let fp32 = train("precision-fp32", &[]);
+    let expected = series(&fp32, "train", "loss");
+    for (precision, first_step) in [("bf16", 2f64.powi(-9)), ("fp16", 2f64.powi(-12))] {
+        let dir = train(
+            &format!("precision-{precision}"),
+            &["--precision", precision],
+        );
+        let losses = series(&dir, "train", "loss");
+        let worst = expected
+            .iter()
+            .zip(&losses)
+            .map(|(a, b)| (a - b).abs() / a.abs())
+            .fold(0.0, f64::max);
+        let first = (expected[0] - losses[0]).abs() / expected[0];
+        println!(
+            "{precision}: relative loss difference to fp32 at step 0 {first:e}, worst over 10 \
+             steps {worst:e}"
+        );
+        assert!(
+            first <= first_step,
+            "{precision}: step 0 differs by {first:e}"
+        );
+        assert_close_losses(&expected, &losses, 1e-2, precision);
+        assert_ne!(expected, losses, "{precision}: computed in fp32?");
+        for (name, data) in params(&dir) {
+            assert_eq!(data.dtype, DType::F32, "{precision}: master weight {name}");
+        }
+    }
+}
+
+/// The scale records of a run: (scale, skipped, skipped so far) per step.
+fn scale_records(dir: &Path) -> Vec<(f64, bool, u64)> {
+    records(dir, "train")
+        .iter()
+        .map(|record| {
+            let scaling = &record["loss_scale"];
+            (
+                scaling["scale"].as_f64().expect("scale"),
+                scaling["skipped"].as_bool().expect("skipped"),
+                scaling["skipped_steps"].as_u64().expect("skipped_steps"),
+            )
+        })
+        .collect()
+}
+
+/// With an initial scale of 2^20 gradients of the first step overflow fp16. Every overflowing
+/// step (the first, and any later one) is skipped with the parameters unchanged (bitwise the
+/// previous checkpoint's, or the initial model's) and AdamW not stepped, the next step runs at
+/// half the scale, and clean steps keep it (the window of 1000 is not reached). Under data
+/// parallelism (ZeRO 1, two replicas as threads) every rank must take the same decisions, or
+/// the run would fail at its next collective or its replicas' checkpoint pieces would disagree.
+#[test]
+fn an_fp16_overflow_skips_the_step_halves_the_scale_and_keeps_the_parameters() {
+    let layouts: [(&str, &[&str]); 2] = [
+        ("serial", &[]),
+        ("dp2", &["--dp", "2", "--zero", "1", "--transport", "local"]),
+    ];
+    for (layout, flags) in layouts {
+        let dir = train_with(&format!("overflow-{layout}"), &fp16_overflowing(flags));
+        let scales = scale_records(&dir);
+        let skipped: Vec<bool> = scales.iter().map(|(_, skipped, _)| *skipped).collect();
+        println!("{layout}: skipped {skipped:?}");
+        assert!(skipped[0], "{layout}: the first step overflows at 2^20");
+        assert!(!skipped.iter().all(|s| *s), "{layout}: no step fit");
+        let mut expected = Vec::new();
+        let (mut scale, mut count) = (1048576.0, 0);
+        for &skip in &skipped {
+            count += u64::from(skip);
+            expected.push((scale, skip, count));
+            if skip {
+                scale /= 2.0;
+            }
+        }
+        assert_eq!(scales, expected, "{layout}: scale, skipped, skipped so far");
+        let norms: Vec<Value> = records(&dir, "train")
+            .iter()
+            .map(|r| r["grad_norm"].clone())
+            .collect();
+        for (step, (norm, skip)) in norms.iter().zip(&skipped).enumerate() {
+            assert_eq!(norm.is_null(), *skip, "{layout} step {step}: norm {norm}");
+        }
+        let mut before = initial_params(&dir);
+        for (step, params) in params_by_step(&dir) {
+            let skip = skipped[step as usize - 1];
+            assert_eq!(
+                params == before,
+                skip,
+                "{layout}: parameters after step {} (skipped: {skip})",
+                step - 1
+            );
+            if step == 1 {
+                let path = dir.join("checkpoints").join(format!("step-{step:08}"));
+                let state = checkpoint::load(&path).expect("readable").state;
+                assert!(
+                    state.optimizer_steps.values().all(|t| *t == 0),
+                    "{layout}: AdamW stepped in the skipped step: {:?}",
+                    state.optimizer_steps
+                );
+            }
+            before = params;
+        }
+    }
+}
+
+/// A resumed fp16 run continues with the checkpoint's scale and skip count: resumed after step
+/// 2 (after the skipped steps, whose halvings the checkpoint holds), it repeats the
+/// uninterrupted run's scales, losses and parameters bitwise.
+#[test]
+fn the_loss_scale_resumes_from_the_checkpoint() {
+    let flags = fp16_overflowing(&[]);
+    let whole = train_with("scale-whole", &flags);
+    let dir = train_with("scale-resumed", &flags);
+    for step in 3..=10 {
+        std::fs::remove_dir_all(dir.join("checkpoints").join(format!("step-{step:08}")))
+            .expect("remove");
+    }
+    let mut args = base_args(&dir);
+    args.extend(flags);
+    args.push("--resume".into());
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(scale_records(&dir), scale_records(&whole));
+    assert_eq!(
+        series(&dir, "train", "loss"),
+        series(&whole, "train", "loss")
+    );
+    assert_eq!(params_by_step(&dir), params_by_step(&whole));
+}
+
+/// Bad precision settings are refused before training, naming the values.
+#[test]
+fn bad_precision_settings_are_refused() {
+    assert_refused(
+        "precision-bad",
+        &[
+            (&["--precision", "fp8"], "fp8"),
+            (
+                &[
+                    "--precision",
+                    "fp16",
+                    "--set",
+                    "precision.initial_loss_scale=1000",
+                ],
+                "initial loss scale must be a power of two of at least 1, got 1000",
+            ),
+            (
+                &[
+                    "--precision",
+                    "fp16",
+                    "--set",
+                    "precision.loss_scale_window=0",
+                ],
+                "growth interval must be at least 1",
+            ),
+        ],
+    );
+}
