@@ -1,5 +1,6 @@
 //! wildfire's benchmark harness: `cargo run --release -p wildfire-benches -- <subcommand>`.
 
+mod activations;
 mod alloc;
 mod comm;
 mod decorator;
@@ -47,6 +48,9 @@ enum Command {
     /// Model-state bytes per rank under ZeRO 0–3 at dp = 1, 2, 4 (gpt2 preset), and the peak of a
     /// tiny-model training step per stage.
     Memory(memory::MemoryArgs),
+    /// Peak heap and step time under activation checkpointing none, full and selective (tiny
+    /// and gpt2 presets).
+    Activations(activations::ActivationArgs),
     /// Data-parallel throughput of the tiny model at dp = 1 and 2, threads and processes, with
     /// scaling efficiency and the communication share of a step.
     Dp(dp::DpArgs),
@@ -76,6 +80,7 @@ fn main() -> anyhow::Result<()> {
         Command::Decorator(args) => decorator::run(args),
         Command::Pp(args) => pp::run(args),
         Command::Memory(args) => memory::run(args),
+        Command::Activations(args) => activations::run(args),
         Command::Dp(args) => dp::run(args),
         Command::Tp(args) => tp::run(args),
         Command::RecipeWorker(args) => dp::worker(args),

@@ -82,6 +82,7 @@ fn train_config() -> TrainSection {
         grad_clip: 1.0,
         eval_every: 0,
         eval_batches: 0,
+        activation_checkpointing: Default::default(),
     }
 }
 

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use burn::backend::{Autodiff, Flex};
+use burn::backend::Flex;
 use clap::{Args, Parser, Subcommand};
 use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
 use wildfire_backend::launch::{self, LaunchConfig};
@@ -13,7 +13,7 @@ use wildfire_parallel::precision::Precision;
 
 use crate::CpuBackend;
 use crate::config::RunConfig;
-use crate::config::Transport;
+use crate::config::{ActivationCheckpointing, Transport};
 use crate::model::{Gpt, StageSpec};
 use crate::{checkpoint, generate, hf, train};
 
@@ -99,6 +99,10 @@ pub struct TrainArgs {
     /// with dynamic loss scaling) (sets precision.compute).
     #[arg(long, value_name = "fp32|bf16|fp16")]
     pub precision: Option<Precision>,
+    /// Activation checkpointing: none, full (recompute each block) or selective (recompute the
+    /// memory-bound operations) (sets train.activation_checkpointing).
+    #[arg(long, value_enum)]
+    pub activation_checkpointing: Option<ActivationCheckpointing>,
     /// Where the ranks run: `launch` (one process each, as `wildfire launch` starts them) or
     /// `local` (threads of this process) (sets parallel.transport).
     #[arg(long, value_enum)]
@@ -146,6 +150,11 @@ impl TrainArgs {
         set(
             "parallel.stage_layers",
             self.stage_layers.as_ref().map(|list| format!("{list:?}")),
+        );
+        set(
+            "train.activation_checkpointing",
+            self.activation_checkpointing
+                .map(|a| quoted(&a.to_string())),
         );
         set(
             "precision.compute",
@@ -316,7 +325,7 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
         Some(dir) => train::resume_config(dir.as_ref().unwrap_or(&given.run.dir), &overrides)?,
     };
     set_threads(config.run.threads)?;
-    let outcome = train::run::<Autodiff<CpuBackend>>(config, args.resume.is_some())?;
+    let outcome = train::run_on_cpu(config, args.resume.is_some())?;
     println!(
         "trained to step {} in {}; last loss {:.4}",
         outcome.steps,

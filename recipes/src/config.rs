@@ -129,6 +129,36 @@ pub struct TrainSection {
     pub eval_every: u64,
     /// Validation batches (of `micro_batch` sequences) per evaluation.
     pub eval_batches: usize,
+    /// Which activations the backward recomputes instead of keeping them.
+    #[serde(default)]
+    pub activation_checkpointing: ActivationCheckpointing,
+}
+
+/// Activation checkpointing: which activations of the forward are recomputed in the backward
+/// instead of being kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationCheckpointing {
+    /// Keep every activation the backward needs.
+    #[default]
+    None,
+    /// Keep each transformer block's input only and recompute the block in the backward, one
+    /// block at a time (the pipeline executor's checkpoint segments).
+    Full,
+    /// Burn's autodiff checkpointing (`BalancedCheckpointing`): keep the outputs of
+    /// compute-bound operations (matmuls) and recompute the memory-bound ones (elementwise
+    /// operations, softmax, GELU) from them.
+    Selective,
+}
+
+impl std::fmt::Display for ActivationCheckpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::None => "none",
+            Self::Full => "full",
+            Self::Selective => "selective",
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

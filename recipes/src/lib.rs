@@ -13,6 +13,10 @@ pub mod model;
 pub mod optim;
 pub mod train;
 
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::collective::CollectiveBackend;
 
@@ -25,6 +29,27 @@ pub type CpuBackend = wildfire_backend::Parallel<burn::backend::Flex>;
 pub trait TrainBackend:
     AutodiffBackend<InnerBackend: CollectiveBackend> + CollectiveBackend
 {
+    /// Whether its autodiff recomputes memory-bound operations in the backward (Burn's
+    /// `BalancedCheckpointing`): selective activation checkpointing.
+    const RECOMPUTES_MEMORY_BOUND_OPS: bool;
 }
 
-impl<B: AutodiffBackend<InnerBackend: CollectiveBackend> + CollectiveBackend> TrainBackend for B {}
+/// Burn's autodiff checkpointing strategies, told apart.
+pub trait StrategyKind: CheckpointStrategy {
+    const RECOMPUTES_MEMORY_BOUND_OPS: bool;
+}
+
+impl StrategyKind for NoCheckpointing {
+    const RECOMPUTES_MEMORY_BOUND_OPS: bool = false;
+}
+
+impl StrategyKind for BalancedCheckpointing {
+    const RECOMPUTES_MEMORY_BOUND_OPS: bool = true;
+}
+
+impl<B: CollectiveBackend, C: StrategyKind> TrainBackend for Autodiff<B, C>
+where
+    Autodiff<B, C>: CollectiveBackend,
+{
+    const RECOMPUTES_MEMORY_BOUND_OPS: bool = C::RECOMPUTES_MEMORY_BOUND_OPS;
+}

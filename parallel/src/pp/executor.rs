@@ -21,6 +21,18 @@
 //! keeps them correct but not faster than one rank; ranks in separate processes, the normal
 //! case, never contend for it.
 //!
+//! **Activation checkpointing.** A chunk that is [`PipelineChunk::checkpointed`] runs its
+//! forward outside the autodiff graph and keeps only the input of each of its segments
+//! `x_{k+1} = s_k(θ, x_k)`. Its backward recomputes the segments last to first, each on a graph
+//! of its own: `y = s_k(θ, x_k)` with `x_k` a fresh leaf, then backpropagates the loss (the last
+//! stage's last segment) or `⟨y, g_{k+1}⟩`, which gives `g_k = ∂L/∂x_k` for the segment before
+//! (the same identity as between stages). The activations alive at once are the segments'
+//! inputs plus one segment's graph, for the price of one more forward. The recomputation repeats
+//! the forward's operations in the same order, so every segment's gradients are bitwise those
+//! of the plain backward. A parameter two segments use (a tied embedding on one stage) gets its
+//! two parts added per micro-batch, as inside the plain backward (`a + b = b + a` exactly), so
+//! the step's gradients are bitwise the plain ones too.
+//!
 //! **Accumulation and memory.** Parameter gradients of every micro-batch are summed per chunk
 //! (each micro-batch's loss is already scaled by the caller, e.g. `1/tokens of the step`). A
 //! forward's graph and its saved input live until its backward, then are dropped; the number of
@@ -60,6 +72,31 @@ pub trait PipelineChunk<B: Backend> {
     /// On the last stage: the micro-batch's loss, as the scalar to backpropagate and as the
     /// value to report.
     fn loss(&self, output: Tensor<B, 3>, batch: &Self::Batch) -> (Tensor<B, 1>, f64);
+
+    /// How many checkpoint segments the chunk's forward is cut into when it is checkpointed
+    /// (see [`PipelineChunk::checkpointed`]), e.g. one per transformer block; at least 1.
+    fn segments(&self) -> usize {
+        1
+    }
+
+    /// Segment `k` of the forward: `forward(input) = s_{n−1}(… s_1(s_0(input)))`, where the
+    /// first segment receives the chunk's input (`None` on the first stage).
+    fn forward_segment(
+        &self,
+        segment: usize,
+        input: Option<Tensor<B, 3>>,
+        batch: &Self::Batch,
+    ) -> Tensor<B, 3> {
+        debug_assert_eq!(segment, 0, "a chunk of one segment");
+        self.forward(input, batch)
+    }
+
+    /// Whether the executor keeps only each segment's input from the forward and recomputes the
+    /// segment in the backward (full activation checkpointing, see the module doc). The
+    /// segments must then be deterministic (no dropout), as the recomputation repeats them.
+    fn checkpointed(&self) -> bool {
+        false
+    }
 }
 
 /// Why a pipeline step failed: the rank, the action and its cause.
@@ -154,14 +191,29 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
     }
 }
 
+/// Replaces every float parameter by the same values outside the autodiff graph (same
+/// [`ParamId`]): a checkpointed forward records nothing.
+struct Untracked;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Untracked {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, Tensor::from_inner(tensor.inner()), mapper)
+    }
+}
+
 /// What a forward leaves for its backward.
-struct Saved<B: AutodiffBackend, C> {
-    /// The chunk copy the forward ran on (see [`FreshLeaves`]).
-    module: C,
-    /// The input leaf (every stage but the first).
-    input: Option<Tensor<B, 3>>,
-    /// The loss (last stage) or the output (other stages).
-    output: Output<B>,
+enum Saved<B: AutodiffBackend, C> {
+    Graph {
+        /// The chunk copy the forward ran on (see [`FreshLeaves`]).
+        module: C,
+        /// The input leaf (every stage but the first).
+        input: Option<Tensor<B, 3>>,
+        /// The loss (last stage) or the output (other stages).
+        output: Output<B>,
+    },
+    /// A checkpointed forward: each segment's input, outside the graph (see the module doc).
+    Checkpoints(Vec<Option<Tensor<B::InnerBackend, 3>>>),
 }
 
 enum Output<B: AutodiffBackend> {
@@ -331,6 +383,35 @@ where
         };
         let graphs = graphs_lock();
         let started = Instant::now();
+        let saved = if self.chunks[chunk].checkpointed() {
+            self.forward_checkpointed(mb, chunk, stage, input)
+        } else {
+            self.forward_with_graph(mb, chunk, stage, input)
+        };
+        self.stats.busy += started.elapsed();
+        drop(graphs);
+        self.saved.insert((mb, chunk), saved);
+        self.stats.peak_activations = self.stats.peak_activations.max(self.saved.len());
+        Ok(())
+    }
+
+    /// Passes a non-last stage's output on: to this rank's next chunk in memory (one pipeline
+    /// rank), or to the outbox.
+    fn hand_on(&mut self, mb: usize, chunk: usize, output: Tensor<B::InnerBackend, 3>) {
+        if self.schedule.stages == 1 {
+            self.inputs.insert((mb, chunk + 1), output);
+        } else {
+            self.outbox.insert((false, mb, chunk), output);
+        }
+    }
+
+    fn forward_with_graph(
+        &mut self,
+        mb: usize,
+        chunk: usize,
+        stage: usize,
+        input: Option<Tensor<B::InnerBackend, 3>>,
+    ) -> Saved<B, C> {
         // The input becomes a leaf of this stage's graph (registering it needs the lock).
         let input = input.map(|x| Tensor::<B, 3>::from_inner(x).require_grad());
         let module = self.chunks[chunk].clone().map(&mut FreshLeaves);
@@ -340,27 +421,42 @@ where
             self.stats.loss += value;
             Output::Loss(loss)
         } else {
-            let detached = output.clone().inner();
-            if self.schedule.stages == 1 {
-                // The next stage is this rank's next chunk: hand the output over in memory.
-                self.inputs.insert((mb, chunk + 1), detached);
-            } else {
-                self.outbox.insert((false, mb, chunk), detached);
-            }
+            self.hand_on(mb, chunk, output.clone().inner());
             Output::Activation(output)
         };
-        self.stats.busy += started.elapsed();
-        drop(graphs);
-        self.saved.insert(
-            (mb, chunk),
-            Saved {
-                module,
-                input,
-                output,
-            },
-        );
-        self.stats.peak_activations = self.stats.peak_activations.max(self.saved.len());
-        Ok(())
+        Saved::Graph {
+            module,
+            input,
+            output,
+        }
+    }
+
+    fn forward_checkpointed(
+        &mut self,
+        mb: usize,
+        chunk: usize,
+        stage: usize,
+        input: Option<Tensor<B::InnerBackend, 3>>,
+    ) -> Saved<B, C> {
+        let module = self.chunks[chunk].clone().map(&mut Untracked);
+        let batch = &self.batches[mb];
+        let mut inputs = Vec::new();
+        let mut x = input;
+        for segment in 0..module.segments() {
+            inputs.push(x.clone());
+            x = Some(
+                module
+                    .forward_segment(segment, x.map(Tensor::from_inner), batch)
+                    .inner(),
+            );
+        }
+        let output = x.expect("at least one segment");
+        if stage == self.last_stage() {
+            self.stats.loss += module.loss(Tensor::from_inner(output), batch).1;
+        } else {
+            self.hand_on(mb, chunk, output);
+        }
+        Saved::Checkpoints(inputs)
     }
 
     fn backward(&mut self, mb: usize, chunk: usize, stage: usize) -> Result<(), Failure> {
@@ -369,9 +465,9 @@ where
             (mb, chunk),
             "the forward of this micro-batch",
         )?;
-        let output_grad = match saved.output {
-            Output::Loss(_) => None,
-            Output::Activation(_) => Some(take(
+        let output_grad = match stage == self.last_stage() {
+            true => None,
+            false => Some(take(
                 &mut self.output_grads,
                 (mb, chunk),
                 "the output gradient",
@@ -379,14 +475,22 @@ where
         };
         let graphs = graphs_lock();
         let started = Instant::now();
-        let root = match (saved.output, output_grad) {
-            (Output::Loss(loss), _) => loss,
-            (Output::Activation(y), Some(g)) => (y * Tensor::from_inner(g)).sum(),
-            (Output::Activation(_), None) => unreachable!("taken above for activations"),
+        let input_grad = match saved {
+            Saved::Graph {
+                module,
+                input,
+                output,
+            } => {
+                let (input_grad, grads) = backpropagate(&module, input, output, output_grad);
+                self.accumulators[chunk].accumulate(&self.chunks[chunk], grads);
+                input_grad
+            }
+            Saved::Checkpoints(inputs) => {
+                self.backward_checkpointed(mb, chunk, inputs, output_grad)
+            }
         };
-        let grads = root.backward();
-        if let Some(input) = saved.input {
-            let input_grad = input.grad(&grads).ok_or_else(|| {
+        if stage > 0 {
+            let input_grad = input_grad.ok_or_else(|| {
                 Failure::Order(format!(
                     "no gradient reached the input of stage {stage}: the chunk does not use it"
                 ))
@@ -397,12 +501,60 @@ where
                 self.outbox.insert((true, mb, chunk), input_grad);
             }
         }
-        let grads = GradientsParams::from_grads(grads, &saved.module);
-        self.accumulators[chunk].accumulate(&self.chunks[chunk], grads);
         self.stats.busy += started.elapsed();
         drop(graphs);
         Ok(())
     }
+
+    /// The backward of a checkpointed forward: each segment recomputed with a graph and
+    /// backpropagated, last to first (see the module doc). The segments' parameter gradients
+    /// are summed over the micro-batch before they join the chunk's sum, the order of the plain
+    /// backward (a parameter two segments use, a tied embedding, gets `a + b` per micro-batch).
+    fn backward_checkpointed(
+        &mut self,
+        mb: usize,
+        chunk: usize,
+        inputs: Vec<Option<Tensor<B::InnerBackend, 3>>>,
+        mut output_grad: Option<Tensor<B::InnerBackend, 3>>,
+    ) -> Option<Tensor<B::InnerBackend, 3>> {
+        let last = inputs.len() - 1;
+        let mut input_grad = None;
+        let mut micro_batch = GradientsAccumulator::new();
+        for (segment, input) in inputs.into_iter().enumerate().rev() {
+            let module = self.chunks[chunk].clone().map(&mut FreshLeaves);
+            let batch = &self.batches[mb];
+            let input = input.map(|x| Tensor::<B, 3>::from_inner(x).require_grad());
+            let y = module.forward_segment(segment, input.clone(), batch);
+            let output = match (segment == last, &output_grad) {
+                (true, None) => Output::Loss(module.loss(y, batch).0),
+                _ => Output::Activation(y),
+            };
+            let grads;
+            (input_grad, grads) = backpropagate(&module, input, output, output_grad.take());
+            micro_batch.accumulate(&self.chunks[chunk], grads);
+            output_grad = input_grad.clone();
+        }
+        self.accumulators[chunk].accumulate(&self.chunks[chunk], micro_batch.grads());
+        input_grad
+    }
+}
+
+/// Backpropagates the loss, or `⟨y, g⟩` for an output `y` with gradient `g`, through `module`
+/// (a copy of a chunk with fresh leaves); returns the gradient of `input` and the parameters'.
+fn backpropagate<B: AutodiffBackend, C: AutodiffModule<B>>(
+    module: &C,
+    input: Option<Tensor<B, 3>>,
+    output: Output<B>,
+    output_grad: Option<Tensor<B::InnerBackend, 3>>,
+) -> (Option<Tensor<B::InnerBackend, 3>>, GradientsParams) {
+    let root = match (output, output_grad) {
+        (Output::Loss(loss), _) => loss,
+        (Output::Activation(y), Some(g)) => (y * Tensor::from_inner(g)).sum(),
+        (Output::Activation(_), None) => unreachable!("taken by the caller for activations"),
+    };
+    let grads = root.backward();
+    let input_grad = input.and_then(|x| x.grad(&grads));
+    (input_grad, GradientsParams::from_grads(grads, module))
 }
 
 /// The summed loss of `batches` through the pipeline, forward only (evaluation): micro-batch

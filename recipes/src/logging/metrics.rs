@@ -34,6 +34,8 @@ pub struct StepOutput {
     pub comm_ms: Option<f64>,
     /// fp16's loss scaling in the step (fp16 runs only).
     pub loss_scale: Option<LossScaleRecord>,
+    /// See `StepRecord::activation_peak_mib`.
+    pub activation_peak_mib: Option<f64>,
 }
 
 impl ItemLazy for StepOutput {

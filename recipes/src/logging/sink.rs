@@ -31,6 +31,12 @@ pub struct StepRecord {
     /// fp16's loss scaling, in fp16 runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<LossScaleRecord>,
+    /// The peak heap growth of rank 0's process during the step's forwards and backwards, in
+    /// MiB: the activations kept for the backward, the backward's transients and the
+    /// gradients (with ranks as threads, every rank of the process). Present when the process
+    /// counts its heap (the `wildfire` binary does, see `alloc::register`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_peak_mib: Option<f64>,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelineRecord>,
@@ -109,6 +115,10 @@ impl MetricsSink {
             .add_scalar("train/tokens_per_sec", record.tokens_per_sec as f32, step)?;
         if let Some(mfu) = record.mfu {
             self.events.add_scalar("train/mfu", mfu as f32, step)?;
+        }
+        if let Some(peak) = record.activation_peak_mib {
+            self.events
+                .add_scalar("memory/activation_peak_mib", peak as f32, step)?;
         }
         if let Some(scaling) = &record.loss_scale {
             self.events

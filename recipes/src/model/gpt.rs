@@ -263,6 +263,10 @@ pub struct Gpt<B: Backend> {
     /// `wildfire_parallel::precision`).
     #[module(skip)]
     pub precision: Precision,
+    /// Full activation checkpointing: the pipeline executor keeps each block's input only and
+    /// recomputes the block in the backward (see `wildfire_parallel::pp::executor`).
+    #[module(skip)]
+    pub recompute_blocks: bool,
 }
 
 /// A linear layer initialised as GPT-2 does: weights N(0, std²), biases zero. Every linear layer
@@ -504,6 +508,7 @@ impl<B: Backend> Gpt<B> {
             first_block: stage.first_block,
             tp: None,
             precision: Precision::Fp32,
+            recompute_blocks: false,
         };
         model.visit(&mut DrawNow);
         model
@@ -512,6 +517,15 @@ impl<B: Backend> Gpt<B> {
     /// The same model computing in `precision`'s type.
     pub fn with_precision(self, precision: Precision) -> Self {
         Self { precision, ..self }
+    }
+
+    /// The same model, recomputing each block in the backward when `on` (full activation
+    /// checkpointing).
+    pub fn with_recomputed_blocks(self, on: bool) -> Self {
+        Self {
+            recompute_blocks: on,
+            ..self
+        }
     }
 
     /// Cuts the whole model into the pipeline stages `stages` (contiguous, in order, covering
@@ -547,6 +561,7 @@ impl<B: Backend> Gpt<B> {
                     first_block: stage.first_block,
                     tp: self.tp.clone(),
                     precision: self.precision,
+                    recompute_blocks: self.recompute_blocks,
                 }
             })
             .collect()
@@ -613,6 +628,7 @@ impl<B: CollectiveBackend> Gpt<B> {
             first_block: first,
             tp: Some(tp),
             precision: self.precision,
+            recompute_blocks: self.recompute_blocks,
         }
     }
 

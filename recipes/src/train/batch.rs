@@ -113,6 +113,29 @@ impl<B: CollectiveBackend> PipelineChunk<B> for Gpt<B> {
         self.run_blocks(x)
     }
 
+    /// One segment per block (the first also embeds on the first stage; a stage without blocks
+    /// is one segment).
+    fn segments(&self) -> usize {
+        self.blocks.len().max(1)
+    }
+
+    fn forward_segment(
+        &self,
+        segment: usize,
+        input: Option<Tensor<B, 3>>,
+        batch: &TokenBatch<B>,
+    ) -> Tensor<B, 3> {
+        let x = input.unwrap_or_else(|| self.embed(batch.inputs.clone()));
+        match self.blocks.get(segment) {
+            Some(block) => block.forward(x, self.tp.as_ref()),
+            None => x,
+        }
+    }
+
+    fn checkpointed(&self) -> bool {
+        self.recompute_blocks
+    }
+
     fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, f64) {
         let loss_sum = self.loss_sum(self.logits(output), batch.targets.clone());
         let value = loss_sum.clone().into_scalar().elem::<f64>();

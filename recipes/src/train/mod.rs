@@ -25,7 +25,7 @@ mod setup;
 mod update;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
-pub use setup::{TrainOutcome, resume_config, run};
+pub use setup::{TrainOutcome, resume_config, run, run_on_cpu};
 pub use update::{
     Optimizers, UpdateGroups, check_same_init, counted_elsewhere, device_inner, inner_device,
     zero_layout,
@@ -133,6 +133,8 @@ pub struct StepLoop<B: TrainBackend> {
     pub losses: Mutex<Vec<f64>>,
 }
 
+const MIB: f64 = (1 << 20) as f64;
+
 /// The backend seed of step `s`: dropout masks depend only on `(seed, s)`.
 pub fn step_seed(seed: u64, step: u64) -> u64 {
     SplitMix64::new(seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64()
@@ -170,7 +172,13 @@ impl<B: TrainBackend> StepLoop<B> {
         }
         learner.lr_step();
         let tensor_comm = self.rank.tensor.comm_time();
+        let heap = crate::alloc::registered().map(|heap| {
+            heap.reset_peak();
+            (heap, heap.current())
+        });
         let (grads, stats, unit_comm) = self.forward_backward(&model, &micro, &device)?;
+        let activation_peak_mib =
+            heap.map(|(heap, before)| heap.peak().saturating_sub(before) as f64 / MIB);
         // The tensor-parallel collectives inside the forwards and backwards (and the
         // sequence-parallel gradient sums).
         let tensor_comm = self.rank.tensor.comm_time().saturating_sub(tensor_comm);
@@ -223,6 +231,7 @@ impl<B: TrainBackend> StepLoop<B> {
                 .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
             comm_ms: Some(1e3 * (update.reduce.comm + unit_comm + tensor_comm).as_secs_f64()),
             loss_scale,
+            activation_peak_mib,
         };
         Ok((output, pipeline))
     }
@@ -491,6 +500,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                     / output.tokens_per_sec.unwrap_or(f64::NAN),
                 comm_ms: output.comm_ms.unwrap_or_default(),
                 loss_scale: output.loss_scale,
+                activation_peak_mib: output.activation_peak_mib,
                 pipeline,
             };
             self.losses

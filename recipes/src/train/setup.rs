@@ -24,9 +24,12 @@ use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
     check_same_init, counted_elsewhere, device_inner, inner_device, zero_layout,
 };
-use crate::TrainBackend;
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+
 use crate::checkpoint::ModelLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
+use crate::config::ActivationCheckpointing;
 use crate::config::{RunConfig, Transport, check_same_model};
 use crate::data::{Sampler, Splits, Tokenizer, TokenizerKind, load_text};
 use crate::logging::{
@@ -34,6 +37,7 @@ use crate::logging::{
 };
 use crate::model::{Gpt, GptChunks, GptConfig, StageSpec, TP_PLAN};
 use crate::optim::{MatrixDecayAdamW, SharedOptimizer, WarmupCosine};
+use crate::{CpuBackend, TrainBackend};
 use wildfire_parallel::tp::TpPlan;
 
 /// What a finished (or stopped) run reports to its caller.
@@ -145,6 +149,17 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
 /// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
 /// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
 /// (see [`resume_config`] for its config). Returns rank 0's outcome.
+/// [`run`] on the recipe's CPU backend, with Burn's checkpointing strategy when the config asks
+/// for selective activation checkpointing.
+pub fn run_on_cpu(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
+    match config.train.activation_checkpointing {
+        ActivationCheckpointing::Selective => {
+            run::<Autodiff<CpuBackend, BalancedCheckpointing>>(config, resume)
+        }
+        _ => run::<Autodiff<CpuBackend>>(config, resume),
+    }
+}
+
 pub fn run<B: TrainBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
@@ -252,6 +267,26 @@ fn run_rank<B: TrainBackend>(
         model_config.context,
         parallel.sequence_parallel,
     )?;
+    let checkpointing = config.train.activation_checkpointing;
+    if (checkpointing == ActivationCheckpointing::Selective) != B::RECOMPUTES_MEMORY_BOUND_OPS {
+        bail!(
+            "train.activation_checkpointing = {checkpointing} needs a backend whose autodiff \
+             {} Burn's BalancedCheckpointing (`train::run_on_cpu` picks the right one)",
+            if B::RECOMPUTES_MEMORY_BOUND_OPS {
+                "does not use"
+            } else {
+                "uses"
+            }
+        );
+    }
+    if checkpointing == ActivationCheckpointing::Full && model_config.dropout > 0.0 {
+        bail!(
+            "train.activation_checkpointing = full recomputes each block in the backward, which \
+             would draw new dropout masks: it needs model.dropout = 0, not {} (selective \
+             checkpointing keeps the masks)",
+            model_config.dropout
+        );
+    }
     if stage == ZeroStage::Three && model_config.dropout > 0.0 {
         bail!(
             "ZeRO stage 3 recomputes each block's forward in its backward, which draws new \
@@ -279,7 +314,10 @@ fn run_rank<B: TrainBackend>(
         let _lock = graphs_lock();
         B::seed(&device, config.train.seed);
         let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
-            .with_precision(config.precision.compute);
+            .with_precision(config.precision.compute)
+            .with_recomputed_blocks(
+                config.train.activation_checkpointing == ActivationCheckpointing::Full,
+            );
         let whole = match (&resumed, &config.run.init_from) {
             (Some(loaded), _) => loaded.apply_params(whole)?,
             (None, Some(source)) => crate::hf::init_from(whole, source)?,

@@ -1,0 +1,158 @@
+//! `activations`: peak memory and step time of training under each activation-checkpointing
+//! mode (none, full, selective) on the tiny and gpt2 presets, measured side by side in one
+//! process by the counting allocator: the run's `activation_peak_mib` metric (the peak heap
+//! growth during a step's forwards and backwards: kept activations, the backward's transients
+//! and the gradients), and the whole run's peak heap (which on a large model is set by the model
+//! state and the optimizer, not by the activations).
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+use wildfire_recipes::config::{ActivationCheckpointing, RunConfig};
+
+use crate::alloc::HEAP;
+use crate::{median, mib};
+
+#[derive(Debug, Args)]
+pub struct ActivationArgs {
+    /// Print one JSON object per line instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Training steps per measurement (the first, which allocates AdamW's moments, is not
+    /// timed).
+    #[arg(long, default_value_t = 4)]
+    steps: u64,
+    /// Only the tiny preset (quick).
+    #[arg(long)]
+    tiny_only: bool,
+}
+
+const MODES: [ActivationCheckpointing; 3] = [
+    ActivationCheckpointing::None,
+    ActivationCheckpointing::Full,
+    ActivationCheckpointing::Selective,
+];
+
+#[derive(Debug, Serialize)]
+struct Row {
+    preset: &'static str,
+    context: usize,
+    micro_batch: usize,
+    mode: String,
+    /// Heap growth at its peak over the run (model built, trained, checkpoint-free).
+    run_peak_mib: f64,
+    /// Median over the steps after the first of the run's `activation_peak_mib`.
+    activation_peak_mib: f64,
+    /// Median step time after the first step.
+    step_ms: f64,
+    /// activation_peak_mib / that of `none`.
+    memory_ratio: f64,
+    /// step_ms / that of `none`.
+    time_ratio: f64,
+}
+
+/// (preset, context, micro-batch).
+const SHAPES: [(&str, usize, usize); 2] = [("tiny", 128, 16), ("gpt2", 256, 4)];
+
+pub fn run(args: ActivationArgs) -> anyhow::Result<()> {
+    wildfire_recipes::alloc::register(&HEAP);
+    let mut rows = Vec::new();
+    for (preset, context, micro_batch) in SHAPES {
+        if args.tiny_only && preset != "tiny" {
+            continue;
+        }
+        let first = rows.len();
+        for mode in MODES {
+            let row = measure(preset, context, micro_batch, mode, args.steps)?;
+            rows.push(row);
+        }
+        let (memory, time) = (rows[first].activation_peak_mib, rows[first].step_ms);
+        for row in &mut rows[first..] {
+            row.memory_ratio = row.activation_peak_mib / memory;
+            row.time_ratio = row.step_ms / time;
+        }
+    }
+    if args.json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "| preset | context × micro-batch | mode | forward+backward peak | × none | run peak | step | × none |\n|---|---|---|---|---|---|---|---|"
+    );
+    for row in &rows {
+        println!(
+            "| {} | {} × {} | {} | {:.1} MiB | {:.2} | {:.1} MiB | {:.0} ms | {:.2} |",
+            row.preset,
+            row.context,
+            row.micro_batch,
+            row.mode,
+            row.activation_peak_mib,
+            row.memory_ratio,
+            row.run_peak_mib,
+            row.step_ms,
+            row.time_ratio
+        );
+    }
+    Ok(())
+}
+
+fn measure(
+    preset: &'static str,
+    context: usize,
+    micro_batch: usize,
+    mode: ActivationCheckpointing,
+    steps: u64,
+) -> anyhow::Result<Row> {
+    let dir = std::env::temp_dir().join(format!(
+        "wildfire-activations-bench-{}-{preset}-{mode}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let overrides = [
+        format!("run.dir={:?}", dir.display().to_string()),
+        format!("model.preset={preset:?}"),
+        format!("model.context={context}"),
+        format!("train.micro_batch={micro_batch}"),
+        format!("train.max_steps={steps}"),
+        "train.eval_every=0".into(),
+        "checkpoint.every=0".into(),
+        "run.log_every=1000000".into(),
+        format!("train.activation_checkpointing={:?}", mode.to_string()),
+    ];
+    let config = RunConfig::load(None, &overrides)?;
+    let before = HEAP.current();
+    HEAP.reset_peak();
+    wildfire_recipes::train::run_on_cpu(config, false)?;
+    let run_peak_mib = mib(HEAP.peak().saturating_sub(before));
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("reading the metrics of {}", dir.display()))?;
+    let records: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .filter(|record: &serde_json::Value| record["kind"] == "train")
+        .skip(1)
+        .collect();
+    let series = |key: &str| -> anyhow::Result<f64> {
+        let mut values = records
+            .iter()
+            .map(|record| record[key].as_f64())
+            .collect::<Option<Vec<f64>>>()
+            .with_context(|| format!("{key} missing from {}", dir.display()))?;
+        Ok(median(&mut values))
+    };
+    let (step_ms, activation_peak_mib) = (series("step_time_ms")?, series("activation_peak_mib")?);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Row {
+        preset,
+        context,
+        micro_batch,
+        mode: mode.to_string(),
+        run_peak_mib,
+        activation_peak_mib,
+        step_ms,
+        memory_ratio: 1.0,
+        time_ratio: 1.0,
+    })
+}

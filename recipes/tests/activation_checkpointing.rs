@@ -1,0 +1,92 @@
+//! Activation checkpointing (`--activation-checkpointing {none,full,selective}`): every mode
+//! trains bitwise alike, serially and through a two-stage pipeline, with dropout under selective
+//! checkpointing, and full checkpointing refuses dropout. The peak memory is measured in
+//! `activation_memory.rs` (a process of its own, for its counting allocator).
+
+mod common;
+
+use common::*;
+
+/// Ten steps with a checkpoint after each, under `mode` and `extra`.
+fn run(name: &str, mode: &str, extra: &[&str]) -> RunDir {
+    let mut args = vec![
+        "--activation-checkpointing",
+        mode,
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep_last=0",
+    ];
+    args.extend_from_slice(extra);
+    train(&format!("{name}-{mode}"), &args)
+}
+
+/// Losses, gradient norms and every checkpoint's parameters equal bitwise.
+fn assert_bitwise_alike(reference: &RunDir, run: &RunDir, what: &str) {
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(
+            series(reference, "train", key),
+            series(run, "train", key),
+            "{what}: {key}"
+        );
+    }
+    assert!(
+        params_by_step(reference) == params_by_step(run),
+        "{what}: parameters differ"
+    );
+}
+
+/// Full checkpointing recomputes every block from its saved input, with the same operations in
+/// the same order; selective checkpointing recomputes Burn's memory-bound operations from the
+/// saved outputs of the compute-bound ones. Both give the plain backward's gradients, so the
+/// runs are bitwise alike: one rank (4 blocks in one chunk), and a two-stage pipeline with the
+/// tied embedding's copies on both stages (ranks as threads).
+#[test]
+fn every_mode_trains_bitwise_like_no_checkpointing() {
+    let layouts: [(&str, &[&str]); 2] = [
+        ("serial", &[]),
+        ("pp2", &["--pp", "2", "--transport", "local"]),
+    ];
+    for (layout, flags) in layouts {
+        let none = run(&format!("ac-{layout}"), "none", flags);
+        for mode in ["full", "selective"] {
+            let checkpointed = run(&format!("ac-{layout}"), mode, flags);
+            assert_bitwise_alike(&none, &checkpointed, &format!("{layout}, {mode}"));
+        }
+    }
+}
+
+/// Selective checkpointing keeps dropout's masks (they are not recomputed), so with dropout it
+/// still trains bitwise like no checkpointing.
+#[test]
+fn selective_checkpointing_keeps_dropout_masks() {
+    let dropout = ["--set", "model.dropout=0.1"];
+    let none = run("ac-dropout", "none", &dropout);
+    let selective = run("ac-dropout", "selective", &dropout);
+    assert_bitwise_alike(&none, &selective, "dropout 0.1, selective");
+}
+
+/// Full checkpointing with dropout would draw new masks in the recomputation: refused, naming
+/// the values; an unknown mode is refused too.
+#[test]
+fn full_checkpointing_refuses_dropout() {
+    assert_refused(
+        "ac-refused",
+        &[
+            (
+                &[
+                    "--activation-checkpointing",
+                    "full",
+                    "--set",
+                    "model.dropout=0.1",
+                ],
+                "needs model.dropout = 0, not 0.1",
+            ),
+            (&["--activation-checkpointing", "some"], "some"),
+            (
+                &["--set", "train.activation_checkpointing=\"partial\""],
+                "partial",
+            ),
+        ],
+    );
+}
