@@ -9,3 +9,12 @@ pub mod kernels;
 pub mod launch;
 
 pub use decorator::Parallel;
+
+use collective::CollectiveBackend;
+use kernels::attention::FusedAttentionBackend;
+
+/// What the decorator gives a backend: collectives and fused kernels. `Parallel<B>` and
+/// `Autodiff<Parallel<B>>` are decorated backends; a model written for one runs on both.
+pub trait DecoratedBackend: CollectiveBackend + FusedAttentionBackend {}
+
+impl<B: CollectiveBackend + FusedAttentionBackend> DecoratedBackend for B {}

@@ -180,6 +180,17 @@ impl DynamicLossScaler {
         self.scale
     }
 
+    /// This scaler (its settings) continuing from `saved`'s state: the scale, the clean steps
+    /// since the last change and the skipped steps of a resumed run.
+    pub fn continuing(self, saved: &Self) -> Self {
+        Self {
+            scale: saved.scale,
+            clean_steps: saved.clean_steps,
+            skipped_steps: saved.skipped_steps,
+            ..self
+        }
+    }
+
     /// Clean steps in a row after which the scale doubles.
     pub fn growth_interval(&self) -> u32 {
         self.growth_interval
@@ -200,7 +211,7 @@ impl DynamicLossScaler {
             return StepDecision::Skip;
         }
         self.clean_steps += 1;
-        if self.clean_steps == self.growth_interval {
+        if self.clean_steps >= self.growth_interval {
             self.scale *= 2.0;
             self.clean_steps = 0;
         }

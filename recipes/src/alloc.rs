@@ -40,12 +40,15 @@ pub fn registered() -> Option<&'static CountingAlloc> {
 }
 
 /// The system allocator, counting live bytes and their peak while enabled. A binary that
-/// reports memory installs one as its `#[global_allocator]`.
+/// reports memory installs one as its `#[global_allocator]`. Two peaks are kept: the
+/// measurer's ([`peak`](Self::peak)) and the training loop's per-step window
+/// ([`window_peak`](Self::window_peak)), so neither resets the other.
 #[derive(Debug)]
 pub struct CountingAlloc {
     enabled: AtomicBool,
     current: AtomicUsize,
     peak: AtomicUsize,
+    window_peak: AtomicUsize,
 }
 
 impl Default for CountingAlloc {
@@ -61,6 +64,7 @@ impl CountingAlloc {
             enabled: AtomicBool::new(false),
             current: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            window_peak: AtomicUsize::new(0),
         }
     }
 
@@ -83,10 +87,24 @@ impl CountingAlloc {
         self.peak.store(self.current(), Ordering::Relaxed);
     }
 
+    /// Starts a window (the training loop's step): its peak starts at the live bytes now,
+    /// which it returns.
+    pub fn start_window(&self) -> usize {
+        let now = self.current();
+        self.window_peak.store(now, Ordering::Relaxed);
+        now
+    }
+
+    /// The most live bytes since the last [`start_window`](Self::start_window).
+    pub fn window_peak(&self) -> usize {
+        self.window_peak.load(Ordering::Relaxed)
+    }
+
     fn grew(&self, bytes: usize) {
         if self.enabled.load(Ordering::Relaxed) {
             let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
             self.peak.fetch_max(now, Ordering::Relaxed);
+            self.window_peak.fetch_max(now, Ordering::Relaxed);
         }
     }
 

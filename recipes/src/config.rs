@@ -60,11 +60,9 @@ impl Default for PrecisionSection {
 }
 
 impl PrecisionSection {
-    /// The loss scaler of an fp16 run (`None` for fp32 and bf16).
+    /// The loss scaler of an fp16 run (`None` for fp32 and bf16). The settings are checked in
+    /// every precision, so a bad value is found before it is first used.
     pub fn scaler(&self) -> anyhow::Result<Option<DynamicLossScaler>> {
-        if !self.compute.scales_loss() {
-            return Ok(None);
-        }
         let scaler = DynamicLossScaler::new(self.initial_loss_scale, self.loss_scale_window)
             .with_context(|| {
                 format!(
@@ -72,7 +70,7 @@ impl PrecisionSection {
                     self.initial_loss_scale, self.loss_scale_window
                 )
             })?;
-        Ok(Some(scaler))
+        Ok(self.compute.scales_loss().then_some(scaler))
     }
 }
 

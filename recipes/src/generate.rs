@@ -1,7 +1,7 @@
 //! Sampling text from a checkpoint: temperature, top-k, and a seed that makes it repeatable.
 
 use std::path::Path;
-use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::DecoratedBackend;
 
 use anyhow::bail;
 use burn::module::Module;
@@ -40,7 +40,7 @@ pub fn load_model<B: Backend>(
 }
 
 /// Continues `prompt` by `sampling.max_new_tokens` tokens; returns prompt + continuation.
-pub fn generate<B: CollectiveBackend>(
+pub fn generate<B: DecoratedBackend>(
     model: &Gpt<B>,
     tokenizer: &Tokenizer,
     prompt: &str,

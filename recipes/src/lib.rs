@@ -18,7 +18,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
 use burn::tensor::backend::AutodiffBackend;
-use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::DecoratedBackend;
 
 /// The recipe's CPU backend: Burn's `Flex` under the `Parallel` decorator, whose collectives
 /// carry tensor parallelism (with one rank they are never called).
@@ -26,9 +26,7 @@ pub type CpuBackend = wildfire_backend::Parallel<burn::backend::Flex>;
 
 /// A backend the recipe trains on: autodiff over a backend with collectives, e.g.
 /// `Autodiff<Parallel<Flex>>` (evaluation runs on the inner backend, so it has them too).
-pub trait TrainBackend:
-    AutodiffBackend<InnerBackend: CollectiveBackend> + CollectiveBackend
-{
+pub trait TrainBackend: AutodiffBackend<InnerBackend: DecoratedBackend> + DecoratedBackend {
     /// Whether its autodiff recomputes memory-bound operations in the backward (Burn's
     /// `BalancedCheckpointing`): selective activation checkpointing.
     const RECOMPUTES_MEMORY_BOUND_OPS: bool;
@@ -47,9 +45,9 @@ impl StrategyKind for BalancedCheckpointing {
     const RECOMPUTES_MEMORY_BOUND_OPS: bool = true;
 }
 
-impl<B: CollectiveBackend, C: StrategyKind> TrainBackend for Autodiff<B, C>
+impl<B: DecoratedBackend, C: StrategyKind> TrainBackend for Autodiff<B, C>
 where
-    Autodiff<B, C>: CollectiveBackend,
+    Autodiff<B, C>: DecoratedBackend,
 {
     const RECOMPUTES_MEMORY_BOUND_OPS: bool = C::RECOMPUTES_MEMORY_BOUND_OPS;
 }

@@ -51,9 +51,52 @@ fn every_mode_trains_bitwise_like_no_checkpointing() {
         let none = run(&format!("ac-{layout}"), "none", flags);
         for mode in ["full", "selective"] {
             let checkpointed = run(&format!("ac-{layout}"), mode, flags);
-            assert_bitwise_alike(&none, &checkpointed, &format!("{layout}, {mode}"));
+            let what = format!("{layout}, {mode}");
+            assert_bitwise_alike(&none, &checkpointed, &what);
+            // Checkpointing was on: the forward+backward peak fell (on these short windows
+            // the gradients and the backward's transients are most of it, so by little).
+            let peak = |dir: &RunDir| {
+                let peaks = series(dir, "train", "activation_peak_mib");
+                peaks[1..].iter().sum::<f64>() / (peaks.len() - 1) as f64
+            };
+            let (before, after) = (peak(&none), peak(&checkpointed));
+            assert!(
+                after < before,
+                "{what}: forward+backward peak {after:.2} MiB against {before:.2} MiB"
+            );
         }
     }
+}
+
+/// Full checkpointing under tensor parallelism with sequence parallelism (two processes): the
+/// recomputed blocks run their collectives again, on both ranks at the same point, and the run
+/// is bitwise the plain one.
+#[test]
+fn full_checkpointing_is_bitwise_under_tensor_parallelism() {
+    let tp_run = |mode: &str, port: u16| {
+        let dir = run_dir(&format!("ac-tp-{mode}"));
+        let mut args = base_args(&dir);
+        args.extend(
+            [
+                "--tp",
+                "2",
+                "--sequence-parallel",
+                "--activation-checkpointing",
+                mode,
+                "--set",
+                "checkpoint.every=1",
+                "--set",
+                "checkpoint.keep_last=0",
+            ]
+            .map(String::from),
+        );
+        let out = launch(2, port, &args);
+        assert!(out.status.success(), "{mode}:\n{}", text(&out));
+        dir
+    };
+    let none = tp_run("none", 29741);
+    let full = tp_run("full", 29742);
+    assert_bitwise_alike(&none, &full, "tp 2 + SP, full");
 }
 
 /// Selective checkpointing keeps dropout's masks (they are not recomputed), so with dropout it

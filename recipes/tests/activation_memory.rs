@@ -4,6 +4,9 @@
 //! from the counting allocator. One test in its own process, so no other test's allocations are
 //! counted.
 
+mod common;
+
+use common::{CORPUS, run_dir, series};
 use wildfire_recipes::alloc::CountingAlloc;
 use wildfire_recipes::config::RunConfig;
 
@@ -13,15 +16,10 @@ static HEAP: CountingAlloc = CountingAlloc::new();
 /// The run's `activation_peak_mib` of its second step (the first also allocates AdamW's
 /// moments) under `mode` (a value of `train.activation_checkpointing`), and its losses.
 fn activation_peak(mode: &str) -> (f64, Vec<f64>) {
-    let dir = std::env::temp_dir().join(format!(
-        "wildfire-test-{}-activation-memory-{mode}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    let corpus = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
+    let dir = run_dir(&format!("activation-memory-{mode}"));
     let overrides = [
         format!("run.dir={:?}", dir.display().to_string()),
-        format!("data.path={corpus:?}"),
+        format!("data.path={CORPUS:?}"),
         "train.max_steps=2".into(),
         "train.eval_every=0".into(),
         "checkpoint.every=0".into(),
@@ -30,24 +28,15 @@ fn activation_peak(mode: &str) -> (f64, Vec<f64>) {
     ];
     let config = RunConfig::load(None, &overrides).expect("config");
     let outcome = wildfire_recipes::train::run_on_cpu(config, false).expect("training");
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics");
-    let peaks: Vec<f64> = metrics
-        .lines()
-        .map(|line| serde_json::from_str::<serde_json::Value>(line).expect("json"))
-        .filter(|record| record["kind"] == "train")
-        .map(|record| {
-            record["activation_peak_mib"]
-                .as_f64()
-                .expect("the memory metric")
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    (peaks[1], outcome.losses)
+    (
+        series(&dir, "train", "activation_peak_mib")[1],
+        outcome.losses,
+    )
 }
 
-/// Measured on the tiny model (`wildfire-benches activations`): none ≈ 182 MiB, full ≈ 59 MiB
-/// (0.33×), selective ≈ 86 MiB (0.47×). The bounds leave room for allocator and thread-pool
-/// differences: full below 0.5× and selective below 0.7× of no checkpointing.
+/// Measured on the tiny model (`wildfire-benches activations`, fused attention): none ≈ 142 MiB,
+/// full ≈ 49 MiB (0.35×), selective ≈ 82 MiB (0.58×). The bounds leave room for allocator and
+/// thread-pool differences: full below 0.5× and selective below 0.7× of no checkpointing.
 #[test]
 fn checkpointing_lowers_the_peak_heap_of_forward_and_backward() {
     wildfire_recipes::alloc::register(&HEAP);

@@ -10,11 +10,9 @@ use std::process::{Command, Output};
 
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::run_dir;
+use common::{CORPUS, run_dir};
 use serde_json::Value;
 use wildfire_recipes::CpuBackend;
-
-const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/data/shakespeare.txt");
 
 fn wildfire(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_wildfire"))

@@ -30,8 +30,16 @@
 //! Tensors are `[batch, heads, seq, d_head]`; the logsumexp is `[batch, heads, seq]`. Inputs in
 //! f16 or bf16 are computed in f32 and the results returned in the input type.
 
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, FloatDType, Tensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorPrimitive};
+
+use crate::Parallel;
 
 /// The key-block size of the reference: the tile of scores is `seq × REFERENCE_BLOCK`.
 pub const REFERENCE_BLOCK: usize = 64;
@@ -176,6 +184,144 @@ pub fn attention_backward<B: Backend>(
     }
 }
 
+/// A backend with fused attention: `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq,
+/// d_head]` tensors (M the causal mask when `causal`), whose autodiff backward is the fused one
+/// (recomputing the probabilities from the saved logsumexp) rather than the decomposed graph.
+pub trait FusedAttentionBackend: Backend {
+    fn fused_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self>;
+}
+
+/// Fused attention on `Tensor`s (see [`FusedAttentionBackend`]).
+pub fn fused_attention<B: FusedAttentionBackend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    causal: bool,
+) -> Tensor<B, 4> {
+    let primitive = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_attention(
+        primitive(query),
+        primitive(key),
+        primitive(value),
+        causal,
+    )))
+}
+
+fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// The forward on the decorated backend: the reference (the CubeCL kernels take over on
+/// CubeCL backends).
+fn forward_on<B: Backend>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    causal: bool,
+) -> AttentionForward<B> {
+    attention_forward(
+        tensor(query),
+        tensor(key),
+        tensor(value),
+        causal,
+        REFERENCE_BLOCK,
+    )
+}
+
+impl<B: Backend> FusedAttentionBackend for Parallel<B> {
+    fn fused_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        forward_on::<Self>(query, key, value, causal)
+            .output
+            .into_primitive()
+            .tensor()
+    }
+}
+
+/// The autodiff node of fused attention: its backward is [`attention_backward`].
+#[derive(Debug)]
+struct FusedAttentionBackward {
+    causal: bool,
+}
+
+/// What the backward keeps: the inputs, the output and the logsumexp.
+type SavedAttention<B> = [FloatTensor<B>; 5];
+
+impl<B: Backend> Backward<Parallel<B>, 3> for FusedAttentionBackward {
+    type State = SavedAttention<Parallel<B>>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let output_grad = grads.consume::<Parallel<B>>(&ops.node);
+        let [query, key, value, output, logsumexp] = ops.state;
+        let input_grads = attention_backward::<Parallel<B>>(
+            tensor(query),
+            tensor(key),
+            tensor(value),
+            tensor(output),
+            tensor(logsumexp),
+            tensor(output_grad),
+            self.causal,
+            REFERENCE_BLOCK,
+        );
+        let [query_node, key_node, value_node] = ops.parents;
+        for (node, grad) in [
+            (query_node, input_grads.query),
+            (key_node, input_grads.key),
+            (value_node, input_grads.value),
+        ] {
+            if let Some(node) = node {
+                grads.register::<Parallel<B>>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> FusedAttentionBackend for Autodiff<Parallel<B>, C> {
+    fn fused_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
+        let inputs = [query.primitive, key.primitive, value.primitive];
+        let forward = forward_on::<Parallel<B>>(
+            inputs[0].clone(),
+            inputs[1].clone(),
+            inputs[2].clone(),
+            causal,
+        );
+        let output = forward.output.into_primitive().tensor();
+        let prepared = FusedAttentionBackward { causal }
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful();
+        match prepared {
+            OpsKind::Tracked(prep) => {
+                let [query, key, value] = inputs;
+                let logsumexp = forward.logsumexp.into_primitive().tensor();
+                let state = [query, key, value, output.clone(), logsumexp];
+                prep.finish(state, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
@@ -258,16 +404,19 @@ mod tests {
 
     /// bf16 and f16 inputs come back in their type, and equal the f32 computation on the same
     /// (rounded) inputs up to the output's rounding: the unit roundoff, 2^-8 relative for bf16
-    /// (8 significant bits) and 2^-11 for f16 (11 bits).
+    /// (8 significant bits) and 2^-11 for f16 (11 bits), or for an f16 subnormal half its fixed
+    /// spacing.
     #[test]
     fn half_precision_inputs_compute_in_f32() {
         let device = Default::default();
         let shape = [1, 2, 33, 32];
         let draw = || Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
         let (q, k, v) = (draw(), draw(), draw());
-        for (dtype, relative) in [
-            (FloatDType::BF16, 2f32.powi(-8)),
-            (FloatDType::F16, 2f32.powi(-11)),
+        // (type, unit roundoff, half the spacing of its subnormals: below the smallest normal
+        // a value is rounded to a fixed absolute step, 2^-24 in f16).
+        for (dtype, relative, absolute) in [
+            (FloatDType::BF16, 2f32.powi(-8), 0.0),
+            (FloatDType::F16, 2f32.powi(-11), 2f32.powi(-25)),
         ] {
             let half = |t: &Tensor<B, 4>| t.clone().cast(dtype);
             let forward = attention_forward(half(&q), half(&k), half(&v), true, 16);
@@ -284,10 +433,56 @@ mod tests {
             let exact: Vec<f32> = exact.into_data().to_vec().unwrap();
             for (g, e) in got.iter().zip(&exact) {
                 assert!(
-                    (g - e).abs() <= relative * e.abs(),
+                    (g - e).abs() <= relative * e.abs() + absolute,
                     "{dtype:?}: {g} for {e}"
                 );
             }
         }
+    }
+
+    /// Through `Autodiff<Parallel<Flex>>`, fused attention's forward and gradients match the
+    /// decomposed graph's (same tolerance as the reference's test), and the gradient of an
+    /// input that does not need one is not computed.
+    #[test]
+    fn the_autodiff_op_runs_the_fused_backward() {
+        type P = Autodiff<crate::Parallel<Flex>>;
+        let device = Default::default();
+        let shape = [1, 3, 70, 32];
+        let draw = || Tensor::<P, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let (q, k, v, g) = (draw(), draw(), draw(), draw().detach());
+        let leaves = || {
+            (
+                q.clone().require_grad(),
+                k.clone().require_grad(),
+                v.clone(),
+            )
+        };
+        let (qf, kf, vf) = leaves();
+        let fused = fused_attention(qf.clone(), kf.clone(), vf.clone(), true);
+        let fused_grads = (fused.clone() * g.clone()).sum().backward();
+        let (qd, kd, vd) = leaves();
+        let [_, _, seq, d_head] = shape;
+        let scores = qd.clone().matmul(kd.clone().swap_dims(2, 3)) * (1.0 / (d_head as f64).sqrt());
+        let future = Tensor::<P, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        let weights = softmax(
+            scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY),
+            3,
+        );
+        let decomposed = weights.matmul(vd.clone());
+        let decomposed_grads = (decomposed.clone() * g).sum().backward();
+        let inner = |t: Tensor<P, 4>| Tensor::<B, 4>::from_data(t.inner().into_data(), &device);
+        assert!(max_difference(inner(fused), inner(decomposed)) < 2e-5);
+        for (name, a, b) in [("dQ", &qf, &qd), ("dK", &kf, &kd)] {
+            let (a, b) = (
+                a.grad(&fused_grads).unwrap(),
+                b.grad(&decomposed_grads).unwrap(),
+            );
+            let error = max_difference(
+                Tensor::from_data(a.into_data(), &device),
+                Tensor::from_data(b.into_data(), &device),
+            );
+            assert!(error < 2e-5, "{name} off by {error}");
+        }
+        assert!(vf.grad(&fused_grads).is_none(), "V needs no gradient");
     }
 }

@@ -486,7 +486,7 @@ where
                 input_grad
             }
             Saved::Checkpoints(inputs) => {
-                self.backward_checkpointed(mb, chunk, inputs, output_grad)
+                self.backward_checkpointed(mb, chunk, inputs, output_grad)?
             }
         };
         if stage > 0 {
@@ -516,7 +516,7 @@ where
         chunk: usize,
         inputs: Vec<Option<Tensor<B::InnerBackend, 3>>>,
         mut output_grad: Option<Tensor<B::InnerBackend, 3>>,
-    ) -> Option<Tensor<B::InnerBackend, 3>> {
+    ) -> Result<Option<Tensor<B::InnerBackend, 3>>, Failure> {
         let last = inputs.len() - 1;
         let mut input_grad = None;
         let mut micro_batch = GradientsAccumulator::new();
@@ -532,10 +532,16 @@ where
             let grads;
             (input_grad, grads) = backpropagate(&module, input, output, output_grad.take());
             micro_batch.accumulate(&self.chunks[chunk], grads);
+            if segment > 0 && input_grad.is_none() {
+                return Err(Failure::Order(format!(
+                    "no gradient reached the input of checkpoint segment {segment}: the segment \
+                     does not use it"
+                )));
+            }
             output_grad = input_grad.clone();
         }
         self.accumulators[chunk].accumulate(&self.chunks[chunk], micro_batch.grads());
-        input_grad
+        Ok(input_grad)
     }
 }
 

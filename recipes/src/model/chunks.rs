@@ -6,7 +6,7 @@ use std::ops::Range;
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::DecoratedBackend;
 
 use super::params::{ParamFn, for_each_param};
 use super::{Gpt, StageSpec};
@@ -50,7 +50,7 @@ impl<B: Backend> GptChunks<B> {
     /// Logits of token ids, through the chunks in order: for a rank that holds every stage.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>
     where
-        B: CollectiveBackend,
+        B: DecoratedBackend,
     {
         let (first, last) = (&self.chunks[0], self.last());
         let x = first.embed(tokens);

@@ -15,11 +15,12 @@ use burn::nn::{
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
+use wildfire_backend::DecoratedBackend;
 use wildfire_backend::collective::{
-    CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
-    scatter_to_parallel_region,
+    all_gather_from_sequence_region, copy_to_parallel_region, scatter_to_parallel_region,
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_backend::kernels::attention::fused_attention;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
@@ -116,6 +117,9 @@ fn dropout_part<B: Backend, const D: usize>(
         let view = mask.narrow(part.dim, part.range.start, part.range.len());
         mask = Tensor::from_data(view.into_data(), &device);
     }
+    // Drawn in the default float type whatever the compute type, so every precision draws the
+    // same masks; 0 and 1 are exact in any type.
+    let mask = in_dtype(mask, FloatDType::from(x.dtype()));
     (x * mask) * (1.0 / keep)
 }
 
@@ -127,7 +131,7 @@ pub enum GptLinear<B: Backend> {
     Row(RowParallelLinear<B>),
 }
 
-impl<B: CollectiveBackend> GptLinear<B> {
+impl<B: DecoratedBackend> GptLinear<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Self::Whole(linear) => {
@@ -156,7 +160,7 @@ impl<B: Backend> GptLinear<B> {
     /// rule for it): built from this whole layer's weights, so the parts are bitwise slices.
     fn shard(self, path: &str, plan: &TpPlan, group: &ProcessGroup, sp: bool) -> Self
     where
-        B: CollectiveBackend,
+        B: DecoratedBackend,
     {
         let Self::Whole(linear) = self else {
             return self;
@@ -212,6 +216,11 @@ pub struct CausalSelfAttention<B: Backend> {
     pub resid_dropout: Dropout,
     /// The heads this module computes: all of them, or this tensor-parallel rank's.
     pub n_head: usize,
+    /// Whether the attention core runs as one fused op with its fused backward
+    /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops; fused needs
+    /// `attn_dropout` to be 0 (the fused op has no dropout of the attention weights).
+    #[module(skip)]
+    pub fused: bool,
 }
 
 /// `c_proj(gelu_tanh(c_fc(x)))`, hidden width 4d.
@@ -322,6 +331,7 @@ impl<B: Backend> Block<B> {
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
                 n_head: config.n_head,
+                fused: config.dropout == 0.0,
             },
             ln_2: layer_norm(config, device),
             mlp: Mlp {
@@ -333,7 +343,7 @@ impl<B: Backend> Block<B> {
     }
 }
 
-impl<B: CollectiveBackend> Block<B> {
+impl<B: DecoratedBackend> Block<B> {
     /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
         let x = x.clone() + self.attn.forward(layer_norm_fp32(&self.ln_1, x), tp);
@@ -394,7 +404,7 @@ impl<B: CollectiveBackend> Block<B> {
     }
 }
 
-impl<B: CollectiveBackend> CausalSelfAttention<B> {
+impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
     /// the sequence in and out; the QKV projection gathers the whole sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
@@ -416,7 +426,10 @@ impl<B: CollectiveBackend> CausalSelfAttention<B> {
             range: tp.group.rank() * heads..(tp.group.rank() + 1) * heads,
             whole: heads * tp.group.size(),
         });
-        let y = causal_attention(q, k, v, &self.attn_dropout, head_part);
+        let y = match self.fused {
+            true => fused_attention(q, k, v, true),
+            false => causal_attention(q, k, v, &self.attn_dropout, head_part),
+        };
         let y = self
             .c_proj
             .forward(y.swap_dims(1, 2).reshape([batch, seq, d]));
@@ -427,8 +440,8 @@ impl<B: CollectiveBackend> CausalSelfAttention<B> {
 
 /// `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq, d_head]` tensors, M = −∞ where the key
 /// comes after the query; the attention weights' dropout mask is `heads`'s part of the whole
-/// model's (see [`dropout_part`]). The decomposed form: fused attention replaces it in a later
-/// issue.
+/// model's (see [`dropout_part`]). The decomposed form, for attention with dropout (and for
+/// comparison): without dropout the model runs fused attention.
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -445,7 +458,7 @@ pub fn causal_attention<B: Backend>(
     dropout_part(dropout, weights, heads).matmul(v)
 }
 
-impl<B: CollectiveBackend> Mlp<B> {
+impl<B: DecoratedBackend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
         let hidden = gelu_tanh(self.c_fc.forward(x));
         let y = self.c_proj.forward(hidden);
@@ -464,13 +477,19 @@ fn layer_norm_fp32<B: Backend>(norm: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B
 /// `x / (1 + exp(−2√(2/π)(x + 0.044715x³)))` (from `½(1 + tanh z) = σ(2z)`), with `x³` as
 /// products. Burn's `gelu_approximate` evaluates the same function through `powf` and `tanh`
 /// (and Burn's generic sigmoid through `exp`, `log1p` and `exp` again); on the CPU backend that
-/// took a quarter of a tiny-model training step, and this form costs one `exp`. For very negative
-/// x, `exp` overflows to +∞ and the quotient is the correct limit −0.
+/// took a quarter of a tiny-model training step, and this form costs one `exp`.
+///
+/// It runs in fp32 whatever `x`'s type, with the exponent clamped at 80: for very negative x
+/// (below −9.5 in fp32, −4 in fp16) `exp` would overflow to +∞, and although the quotient's limit
+/// is the right −0, the backward would multiply the overflowed `exp` by a zero gradient, NaN. At
+/// the clamp the quotient is already below 1e-33 in magnitude.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     const MINUS_TWO_SQRT_2_OVER_PI: f64 = -2.0 * 0.797_884_560_802_865_4;
-    let cube = x.clone() * x.clone() * x.clone();
-    let exponent = (x.clone() + cube * 0.044715) * MINUS_TWO_SQRT_2_OVER_PI;
-    x / (exponent.exp() + 1.0)
+    in_fp32(x, |x| {
+        let cube = x.clone() * x.clone() * x.clone();
+        let exponent = (x.clone() + cube * 0.044715) * MINUS_TWO_SQRT_2_OVER_PI;
+        x / (exponent.clamp_max(80.0).exp() + 1.0)
+    })
 }
 
 impl<B: Backend> Gpt<B> {
@@ -512,6 +531,15 @@ impl<B: Backend> Gpt<B> {
         };
         model.visit(&mut DrawNow);
         model
+    }
+
+    /// The same model with fused attention on or off (see `CausalSelfAttention::fused`; it
+    /// stays off where the attention weights have dropout).
+    pub fn with_fused_attention(mut self, on: bool) -> Self {
+        for block in &mut self.blocks {
+            block.attn.fused = on && block.attn.attn_dropout.prob == 0.0;
+        }
+        self
     }
 
     /// The same model computing in `precision`'s type.
@@ -568,7 +596,7 @@ impl<B: Backend> Gpt<B> {
     }
 }
 
-impl<B: CollectiveBackend> Gpt<B> {
+impl<B: DecoratedBackend> Gpt<B> {
     /// This rank's part of the whole model under tensor parallelism over `group`: every layer
     /// `plan` names is split as it says (the attention by heads, so each rank computes
     /// `n_head / tp` of them), built from the whole layer's weights, so the parts are bitwise

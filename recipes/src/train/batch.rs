@@ -14,7 +14,7 @@ use crate::TrainBackend;
 use crate::data::Sampler;
 use crate::logging::StepOutput;
 use crate::model::{Gpt, GptChunks};
-use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::DecoratedBackend;
 
 /// Input windows `[batch, context]`, their next-token targets, and the factor that turns this
 /// batch's summed loss into its share of the step's mean: `1 / (tokens in the whole step)`.
@@ -54,7 +54,7 @@ impl<B: Backend> TokenBatch<B> {
 }
 
 /// The summed token loss of a batch (a one-element tensor) and its token count.
-fn batch_loss<B: CollectiveBackend>(
+fn batch_loss<B: DecoratedBackend>(
     model: &GptChunks<B>,
     batch: &TokenBatch<B>,
 ) -> (Tensor<B, 1>, usize) {
@@ -88,7 +88,7 @@ impl<B: TrainBackend> TrainStep for GptChunks<B> {
     }
 }
 
-impl<B: CollectiveBackend> InferenceStep for GptChunks<B> {
+impl<B: DecoratedBackend> InferenceStep for GptChunks<B> {
     type Input = TokenBatch<B>;
     type Output = StepOutput;
 
@@ -105,7 +105,7 @@ impl<B: CollectiveBackend> InferenceStep for GptChunks<B> {
 /// A GPT stage in the pipeline: the first stage embeds the batch's inputs, the last applies the
 /// head and scores the targets. The loss to backpropagate is `loss_scale · Σ token losses`, the
 /// value reported is `Σ token losses`.
-impl<B: CollectiveBackend> PipelineChunk<B> for Gpt<B> {
+impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
     type Batch = TokenBatch<B>;
 
     fn forward(&self, input: Option<Tensor<B, 3>>, batch: &TokenBatch<B>) -> Tensor<B, 3> {

@@ -150,7 +150,7 @@ impl<B: TrainBackend> std::fmt::Debug for StepLoop<B> {
 
 impl<B: TrainBackend> StepLoop<B> {
     fn current_model(&self) -> GptChunks<B> {
-        self.model.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.model).clone()
     }
 
     /// One optimizer step (all its micro-batches); returns the numbers it logs.
@@ -172,13 +172,10 @@ impl<B: TrainBackend> StepLoop<B> {
         }
         learner.lr_step();
         let tensor_comm = self.rank.tensor.comm_time();
-        let heap = crate::alloc::registered().map(|heap| {
-            heap.reset_peak();
-            (heap, heap.current())
-        });
+        let heap = crate::alloc::registered().map(|heap| (heap, heap.start_window()));
         let (grads, stats, unit_comm) = self.forward_backward(&model, &micro, &device)?;
         let activation_peak_mib =
-            heap.map(|(heap, before)| heap.peak().saturating_sub(before) as f64 / MIB);
+            heap.map(|(heap, before)| heap.window_peak().saturating_sub(before) as f64 / MIB);
         // The tensor-parallel collectives inside the forwards and backwards (and the
         // sequence-parallel gradient sums).
         let tensor_comm = self.rank.tensor.comm_time().saturating_sub(tensor_comm);
@@ -197,7 +194,14 @@ impl<B: TrainBackend> StepLoop<B> {
             &rank.counted_elsewhere,
             loss_scale,
         )?;
-        *self.model.lock().unwrap_or_else(|p| p.into_inner()) = model;
+        *lock(&self.model) = model;
+        if update.grad_norm.is_none() && self.scaler.is_none() {
+            bail!(
+                "the gradient norm is not finite (an infinite or NaN gradient on some rank); \
+                 without fp16's loss scale there is nothing to lower, so training stops with the \
+                 parameters of the step before"
+            );
+        }
         let loss_scale = self.scaler.as_ref().map(|scaler| {
             let mut scaler = lock(scaler);
             let skipped = scaler.update(update.grad_norm.is_none()) == StepDecision::Skip;
@@ -393,11 +397,7 @@ impl<B: TrainBackend> StepLoop<B> {
     }
 
     fn checkpoint(&self, step: u64) -> anyhow::Result<()> {
-        let cursor = self
-            .sampler
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .cursor();
+        let cursor = lock(&self.sampler).cursor();
         let state = TrainState {
             step,
             cursor,
@@ -444,7 +444,7 @@ impl<B: TrainBackend> StepLoop<B> {
     /// Runs `write` on the metric files (rank 0; nothing elsewhere).
     fn to_sink(&self, write: impl FnOnce(&mut MetricsSink) -> anyhow::Result<()>) -> bool {
         match &self.sink {
-            Some(sink) => self.log(write(&mut sink.lock().unwrap_or_else(|p| p.into_inner()))),
+            Some(sink) => self.log(write(&mut lock(sink))),
             None => true,
         }
     }
@@ -503,10 +503,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                 activation_peak_mib: output.activation_peak_mib,
                 pipeline,
             };
-            self.losses
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(record.loss);
+            lock(&self.losses).push(record.loss);
             let logged = self.to_sink(|sink| sink.log_step(&record));
             events.process_train(LearnerEvent::ProcessedItem(item(
                 output,

@@ -145,10 +145,6 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
     Ok(toml::to_string_pretty(resolved)?)
 }
 
-/// Trains as `config` says, on backend `B`'s default device: on one rank, or on every rank of
-/// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
-/// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
-/// (see [`resume_config`] for its config). Returns rank 0's outcome.
 /// [`run`] on the recipe's CPU backend, with Burn's checkpointing strategy when the config asks
 /// for selective activation checkpointing.
 pub fn run_on_cpu(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
@@ -160,6 +156,11 @@ pub fn run_on_cpu(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcom
     }
 }
 
+/// Trains as `config` says, on backend `B`'s default device: on one rank, or on every rank of
+/// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
+/// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
+/// (see [`resume_config`] for its config). Returns rank 0's outcome. `B`'s autodiff must use
+/// Burn's `BalancedCheckpointing` exactly when `train.activation_checkpointing = selective`.
 pub fn run<B: TrainBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
@@ -412,11 +413,10 @@ fn run_rank<B: TrainBackend>(
             .then(|| pipe.subgroup(&[0, last_rank]))
             .transpose()?;
     let sampler = Arc::new(Mutex::new(sampler));
-    // A resumed fp16 run continues with its saved scale.
-    let scaler = match (config.precision.scaler()?, &resumed) {
-        (Some(_), Some(loaded)) if loaded.state.loss_scaler.is_some() => {
-            loaded.state.loss_scaler.clone()
-        }
+    // A resumed fp16 run continues from its saved scale, with the config's settings.
+    let saved_scaler = resumed.as_ref().and_then(|r| r.state.loss_scaler.as_ref());
+    let scaler = match (config.precision.scaler()?, saved_scaler) {
+        (Some(scaler), Some(saved)) => Some(scaler.continuing(saved)),
         (scaler, _) => scaler,
     };
     let strategy = Arc::new(StepLoop {
