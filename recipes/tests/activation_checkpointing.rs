@@ -7,16 +7,21 @@ mod common;
 
 use common::*;
 
-/// Ten steps with a checkpoint after each, under `mode` and `extra`.
-fn run(name: &str, mode: &str, extra: &[&str]) -> RunDir {
-    let mut args = vec![
+/// The flags for `mode` with a checkpoint after every step (all kept).
+fn mode_flags(mode: &str) -> [&str; 6] {
+    [
         "--activation-checkpointing",
         mode,
         "--set",
         "checkpoint.every=1",
         "--set",
         "checkpoint.keep_last=0",
-    ];
+    ]
+}
+
+/// Ten steps with a checkpoint after each, under `mode` and `extra`.
+fn run(name: &str, mode: &str, extra: &[&str]) -> RunDir {
+    let mut args = mode_flags(mode).to_vec();
     args.extend_from_slice(extra);
     train(&format!("{name}-{mode}"), &args)
 }
@@ -76,20 +81,10 @@ fn full_checkpointing_is_bitwise_under_tensor_parallelism() {
     let tp_run = |mode: &str, port: u16| {
         let dir = run_dir(&format!("ac-tp-{mode}"));
         let mut args = base_args(&dir);
-        args.extend(
-            [
-                "--tp",
-                "2",
-                "--sequence-parallel",
-                "--activation-checkpointing",
-                mode,
-                "--set",
-                "checkpoint.every=1",
-                "--set",
-                "checkpoint.keep_last=0",
-            ]
-            .map(String::from),
-        );
+        let flags = ["--tp", "2", "--sequence-parallel"]
+            .into_iter()
+            .chain(mode_flags(mode));
+        args.extend(flags.map(String::from));
         let out = launch(2, port, &args);
         assert!(out.status.success(), "{mode}:\n{}", text(&out));
         dir

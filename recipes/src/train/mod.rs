@@ -198,8 +198,8 @@ impl<B: TrainBackend> StepLoop<B> {
         if update.grad_norm.is_none() && self.scaler.is_none() {
             bail!(
                 "the gradient norm is not finite (an infinite or NaN gradient on some rank); \
-                 without fp16's loss scale there is nothing to lower, so training stops with the \
-                 parameters of the step before"
+                 without fp16's loss scale there is nothing to lower, so training stops here \
+                 (this step was not applied; the checkpoints written so far are intact)"
             );
         }
         let loss_scale = self.scaler.as_ref().map(|scaler| {
