@@ -11,6 +11,7 @@ use serde::Serialize;
 use wildfire_recipes::config::{ActivationCheckpointing, RunConfig};
 
 use crate::alloc::HEAP;
+use crate::dp::train_records;
 use crate::{median, mib};
 
 #[derive(Debug, Args)]
@@ -126,14 +127,8 @@ fn measure(
     HEAP.reset_peak();
     wildfire_recipes::train::run_on_cpu(config, false)?;
     let run_peak_mib = mib(HEAP.peak().saturating_sub(before));
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .with_context(|| format!("reading the metrics of {}", dir.display()))?;
-    let records: Vec<serde_json::Value> = metrics
-        .lines()
-        .filter_map(|line| serde_json::from_str(line).ok())
-        .filter(|record: &serde_json::Value| record["kind"] == "train")
-        .skip(1)
-        .collect();
+    // Step 0 also allocates AdamW's moments.
+    let records = train_records(&dir, 1)?;
     let series = |key: &str| -> anyhow::Result<f64> {
         let mut values = records
             .iter()

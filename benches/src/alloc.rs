@@ -1,6 +1,6 @@
 //! Heap accounting for the benchmarks that report memory: the process's global allocator counts
 //! live bytes and their peak while counting is switched on (it is off unless a benchmark turns it
-//! on, and then costs two relaxed atomic operations per allocation).
+//! on, and then costs three relaxed atomic operations per allocation).
 
 use wildfire_recipes::alloc::CountingAlloc;
 

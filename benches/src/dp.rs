@@ -207,14 +207,7 @@ pub fn run(args: DpArgs) -> anyhow::Result<()> {
 /// Median tokens/s and step time after warm-up, and Σ comm / Σ step time, from metrics.jsonl.
 pub(crate) fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
     let path = dir.join("metrics.jsonl");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let steps: Vec<Value> = text
-        .lines()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .filter(|v| v["kind"] == "train")
-        .skip(WARMUP)
-        .collect();
+    let steps = train_records(dir, WARMUP)?;
     let field = |key: &str| -> Vec<f64> { steps.iter().filter_map(|v| v[key].as_f64()).collect() };
     let (mut tokens, mut times, comm) = (
         field("tokens_per_sec"),
@@ -226,6 +219,19 @@ pub(crate) fn measured(dir: &Path) -> anyhow::Result<(f64, f64, f64)> {
     }
     let share = comm.iter().sum::<f64>() / times.iter().sum::<f64>();
     Ok((median(&mut tokens), median(&mut times), share))
+}
+
+/// The training records of the run in `dir` (its `metrics.jsonl`), after the first `skip`.
+pub(crate) fn train_records(dir: &Path, skip: usize) -> anyhow::Result<Vec<Value>> {
+    let path = dir.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|v| v["kind"] == "train")
+        .skip(skip)
+        .collect())
 }
 
 /// One training process: the recipe (tiny by default) for `steps` steps with the overrides

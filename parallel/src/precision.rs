@@ -32,7 +32,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{FloatDType, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// The precision a model computes in; parameters and optimizer state are fp32 in every case.
@@ -88,17 +88,7 @@ impl FromStr for Precision {
     }
 }
 
-/// `tensor` in `dtype`; unchanged, without a graph node, when it already is.
-pub fn in_dtype<B: Backend, const D: usize>(
-    tensor: Tensor<B, D>,
-    dtype: FloatDType,
-) -> Tensor<B, D> {
-    if tensor.dtype() == DType::from(dtype) {
-        tensor
-    } else {
-        tensor.cast(dtype)
-    }
-}
+pub use wildfire_backend::kernels::in_dtype;
 
 /// `f(x)` computed in fp32 and returned in `x`'s type: for the ops autocast keeps in fp32
 /// (normalisations, softmax), whose parameters, if any, are fp32 masters.
@@ -222,7 +212,7 @@ impl DynamicLossScaler {
 #[cfg(test)]
 mod tests {
     use burn::backend::Flex;
-    use burn::tensor::TensorData;
+    use burn::tensor::{DType, TensorData};
 
     use super::*;
 

@@ -161,10 +161,7 @@ fn every_zero_stage_resumes_bitwise() {
         ];
         let whole = dp_train(&format!("resume-whole-{stage}-pp{pp}"), 2, &flags);
         let dir = dp_train(&format!("resume-{stage}-pp{pp}"), 2, &flags);
-        let checkpoints = dir.join("checkpoints");
-        for step in 6..=10 {
-            std::fs::remove_dir_all(checkpoints.join(format!("step-{step:08}"))).expect("remove");
-        }
+        remove_checkpoints(&dir, 6..=10);
         let mut args = dp_args(&dir, 2);
         args.extend(["--resume"].map(String::from));
         let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
@@ -196,10 +193,7 @@ fn a_zero3_checkpoint_resumes_under_zero1() {
     let whole = dp_train("restage-whole", 2, &zero1);
     let zero3: Vec<&str> = untied.iter().copied().chain(["--zero", "3"]).collect();
     let dir = dp_train("restage", 2, &zero3);
-    for step in 6..=10 {
-        let path = dir.join("checkpoints").join(format!("step-{step:08}"));
-        std::fs::remove_dir_all(path).expect("remove");
-    }
+    remove_checkpoints(&dir, 6..=10);
     let mut args = dp_args(&dir, 2);
     args.extend(["--resume", "--zero", "1"].map(String::from));
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);

@@ -103,8 +103,7 @@ fn reshard_at_step_5(name: &str, extra: &[&str]) -> RunDir {
     ];
     first.extend(extra);
     let dir = train(name, &first);
-    let checkpoints = dir.join("checkpoints");
-    let shards = std::fs::read_dir(checkpoints.join("step-00000005"))
+    let shards = std::fs::read_dir(checkpoint_path(&dir, 5))
         .expect("the step-5 checkpoint")
         .filter(|e| {
             e.as_ref()
@@ -115,7 +114,7 @@ fn reshard_at_step_5(name: &str, extra: &[&str]) -> RunDir {
         })
         .count();
     assert_eq!(shards, 2, "one shard per pipeline rank");
-    std::fs::remove_dir_all(checkpoints.join("step-00000010")).expect("remove step 10");
+    remove_checkpoints(&dir, 10..=10);
     let mut resumed = base_args(&dir);
     resumed.extend(["--pp", "4", "--transport", "local", "--resume"].map(String::from));
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &resumed), LIMIT);

@@ -233,8 +233,9 @@ fn an_fp16_overflow_skips_the_step_halves_the_scale_and_keeps_the_parameters() {
                 step - 1
             );
             if step == 1 {
-                let path = dir.join("checkpoints").join(format!("step-{step:08}"));
-                let state = checkpoint::load(&path).expect("readable").state;
+                let state = checkpoint::load(&checkpoint_path(&dir, step))
+                    .expect("readable")
+                    .state;
                 assert!(
                     state.optimizer_steps.values().all(|t| *t == 0),
                     "{layout}: AdamW stepped in the skipped step: {:?}",
@@ -254,10 +255,7 @@ fn the_loss_scale_resumes_from_the_checkpoint() {
     let flags = fp16_overflowing(&[]);
     let whole = train_with("scale-whole", &flags);
     let dir = train_with("scale-resumed", &flags);
-    for step in 3..=10 {
-        std::fs::remove_dir_all(dir.join("checkpoints").join(format!("step-{step:08}")))
-            .expect("remove");
-    }
+    remove_checkpoints(&dir, 3..=10);
     let mut args = base_args(&dir);
     args.extend(flags);
     args.push("--resume".into());

@@ -184,7 +184,7 @@ fn resume_continues_bitwise() {
     train(&dir, &config, false);
     let uninterrupted = losses(&dir);
     assert_eq!(uninterrupted.len(), 6);
-    std::fs::remove_dir_all(dir.join("checkpoints/step-00000006")).unwrap();
+    common::remove_checkpoints(&dir, 6..=6);
     let out = train(&dir, &config, true);
     assert!(text(&out).contains("steps 3..6"), "{}", text(&out));
     let all = losses(&dir);

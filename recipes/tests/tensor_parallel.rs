@@ -209,10 +209,7 @@ fn zero_over_tensor_parallel_ranks_trains_and_resumes() {
         series(&zero1, "train", "loss")
     );
     assert_eq!(params_by_step(&zero2), params_by_step(&zero1), "ZeRO 2");
-    for step in 6..=10 {
-        let path = zero2.join("checkpoints").join(format!("step-{step:08}"));
-        std::fs::remove_dir_all(path).expect("remove");
-    }
+    remove_checkpoints(&zero2, 6..=10);
     let mut args = tp_args(&zero2, &with("1"));
     args.push("--resume".into());
     let out = launch(4, 29728, &args);
@@ -236,10 +233,7 @@ fn a_tensor_parallel_checkpoint_resumes_bitwise_and_serially() {
         ("tp-reshard", 29724, None),
     ] {
         let dir = launched(name, 2, port, &flags);
-        for step in 6..=10 {
-            let path = dir.join("checkpoints").join(format!("step-{step:08}"));
-            std::fs::remove_dir_all(path).expect("remove");
-        }
+        remove_checkpoints(&dir, 6..=10);
         let mut args = tp_args(&dir, &["--resume"]);
         if relaunch.is_none() {
             args.extend(

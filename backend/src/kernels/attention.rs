@@ -37,8 +37,9 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, FloatDType, Tensor, TensorPrimitive};
 
+use super::in_dtype;
 use crate::Parallel;
 
 /// The key-block size of the reference: the tile of scores is `seq × REFERENCE_BLOCK`.
@@ -63,17 +64,7 @@ pub struct AttentionGrads<B: Backend> {
 }
 
 fn f32<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, D> {
-    match tensor.dtype() {
-        DType::F32 => tensor,
-        _ => tensor.cast(FloatDType::F32),
-    }
-}
-
-fn restore<B: Backend, const D: usize>(tensor: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
-    match dtype {
-        DType::F32 => tensor,
-        _ => tensor.cast(FloatDType::from(dtype)),
-    }
+    in_dtype(tensor, FloatDType::F32)
 }
 
 /// The scores of all queries against keys `keys` (a range of key positions), scaled, with the
@@ -114,7 +105,7 @@ pub fn attention_forward<B: Backend>(
     causal: bool,
     block: usize,
 ) -> AttentionForward<B> {
-    let dtype = query.dtype();
+    let dtype = FloatDType::from(query.dtype());
     let (query, key, value) = (f32(query), f32(key), f32(value));
     let [batch, heads, seq, d_head] = query.dims();
     let device = query.device();
@@ -139,7 +130,7 @@ pub fn attention_forward<B: Backend>(
     }
     let output = acc / sum.clone().unsqueeze_dim(3);
     AttentionForward {
-        output: restore(output, dtype),
+        output: in_dtype(output, dtype),
         logsumexp: max + sum.log(),
     }
 }
@@ -157,7 +148,7 @@ pub fn attention_backward<B: Backend>(
     causal: bool,
     block: usize,
 ) -> AttentionGrads<B> {
-    let dtype = query.dtype();
+    let dtype = FloatDType::from(query.dtype());
     let (query, key, value) = (f32(query), f32(key), f32(value));
     let (output, output_grad) = (f32(output), f32(output_grad));
     let [_, _, seq, d_head] = query.dims();
@@ -178,9 +169,9 @@ pub fn attention_backward<B: Backend>(
         key_grads.push(score_grads.swap_dims(2, 3).matmul(query.clone()) * scale);
     }
     AttentionGrads {
-        query: restore(query_grad, dtype),
-        key: restore(Tensor::cat(key_grads, 2), dtype),
-        value: restore(Tensor::cat(value_grads, 2), dtype),
+        query: in_dtype(query_grad, dtype),
+        key: in_dtype(Tensor::cat(key_grads, 2), dtype),
+        value: in_dtype(Tensor::cat(value_grads, 2), dtype),
     }
 }
 
@@ -325,8 +316,8 @@ impl<B: Backend, C: CheckpointStrategy> FusedAttentionBackend for Autodiff<Paral
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
-    use burn::tensor::Distribution;
     use burn::tensor::activation::softmax;
+    use burn::tensor::{DType, Distribution};
 
     use super::*;
 

@@ -3,7 +3,7 @@
 use clap::Parser;
 use wildfire_recipes::alloc::CountingAlloc;
 
-/// Counts the heap, for the per-step memory metric (two relaxed atomic operations per
+/// Counts the heap, for the per-step memory metric (three relaxed atomic operations per
 /// allocation).
 #[global_allocator]
 static HEAP: CountingAlloc = CountingAlloc::new();

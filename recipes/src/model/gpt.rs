@@ -217,8 +217,8 @@ pub struct CausalSelfAttention<B: Backend> {
     /// The heads this module computes: all of them, or this tensor-parallel rank's.
     pub n_head: usize,
     /// Whether the attention core runs as one fused op with its fused backward
-    /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops; fused needs
-    /// `attn_dropout` to be 0 (the fused op has no dropout of the attention weights).
+    /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops. It does only where
+    /// `attn_dropout` is 0: the fused op has no dropout of the attention weights.
     #[module(skip)]
     pub fused: bool,
 }
@@ -331,7 +331,7 @@ impl<B: Backend> Block<B> {
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
                 n_head: config.n_head,
-                fused: config.dropout == 0.0,
+                fused: true,
             },
             ln_2: layer_norm(config, device),
             mlp: Mlp {
@@ -426,7 +426,7 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             range: tp.group.rank() * heads..(tp.group.rank() + 1) * heads,
             whole: heads * tp.group.size(),
         });
-        let y = match self.fused {
+        let y = match self.fused && self.attn_dropout.prob == 0.0 {
             true => fused_attention(q, k, v, true),
             false => causal_attention(q, k, v, &self.attn_dropout, head_part),
         };
@@ -537,7 +537,7 @@ impl<B: Backend> Gpt<B> {
     /// stays off where the attention weights have dropout).
     pub fn with_fused_attention(mut self, on: bool) -> Self {
         for block in &mut self.blocks {
-            block.attn.fused = on && block.attn.attn_dropout.prob == 0.0;
+            block.attn.fused = on;
         }
         self
     }

@@ -132,6 +132,21 @@ pub fn series(dir: &Path, kind: &str, key: &str) -> Vec<f64> {
         .collect()
 }
 
+/// The directory of run `dir`'s checkpoint of `step`.
+pub fn checkpoint_path(dir: &Path, step: u64) -> PathBuf {
+    dir.join("checkpoints")
+        .join(checkpoint::store::checkpoint_dir_name(step))
+}
+
+/// Removes run `dir`'s checkpoints of `steps`, so that a resume starts from an earlier one.
+pub fn remove_checkpoints(dir: &Path, steps: std::ops::RangeInclusive<u64>) {
+    for step in steps {
+        let path = checkpoint_path(dir, step);
+        std::fs::remove_dir_all(&path)
+            .unwrap_or_else(|e| panic!("removing {}: {e}", path.display()));
+    }
+}
+
 /// The final checkpoint's parameters by name.
 pub fn params(dir: &Path) -> BTreeMap<String, TensorData> {
     let latest = checkpoint::resolve(dir).expect("a checkpoint");
