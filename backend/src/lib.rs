@@ -7,6 +7,7 @@ pub mod comm;
 mod decorator;
 pub mod kernels;
 pub mod launch;
+mod typecast;
 
 pub use decorator::Parallel;
 

@@ -34,7 +34,6 @@
 //! point-to-point needs sends and receives posted together (`ncclGroupStart`/`End`), which the
 //! pipeline executor can do for each step; until then CUDA tensors are sent through host memory.
 
-use std::any::Any;
 use std::ffi::c_int;
 use std::sync::OnceLock;
 
@@ -59,6 +58,7 @@ use super::mailbox::OpKind;
 use super::nccl::{nccl_dtype, nccl_op};
 use super::nccl_device::NcclComm;
 use super::tensor::DeviceOp;
+use crate::typecast::{cast, same};
 
 /// burn-cuda's tensor primitive (float, int and bool alike).
 pub(crate) type CudaTensor = CubeTensor<CudaRuntime>;
@@ -66,20 +66,6 @@ pub(crate) type CudaTensor = CubeTensor<CudaRuntime>;
 fn nccl_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("WILDFIRE_NCCL").map_or(true, |v| v != "0"))
-}
-
-/// `value` as a `T`, when `A` is `T`; otherwise `value` back.
-fn cast<A: 'static, T: 'static>(value: A) -> Result<T, A> {
-    let mut slot = Some(value);
-    if let Some(target) = (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
-        return Ok(target.take().expect("the slot was filled above"));
-    }
-    Err(slot.expect("the slot is untouched when the types differ"))
-}
-
-/// `value` as a `T`, where the caller has already established that `A` is `T`.
-fn same<A: 'static, T: 'static>(value: A) -> T {
-    cast(value).unwrap_or_else(|_| unreachable!("the types were checked to be equal"))
 }
 
 /// The CUDA tensor inside `primitive`: an int or bool primitive of a CUDA backend, a float one

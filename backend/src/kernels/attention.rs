@@ -35,11 +35,17 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorPrimitive};
 
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+
+use super::flash;
 use super::in_dtype;
+use super::route::{CubeKernel, on_cube};
 use crate::Parallel;
 
 /// The key-block size of the reference: the tile of scores is `seq × REFERENCE_BLOCK`.
@@ -175,6 +181,27 @@ pub fn attention_backward<B: Backend>(
     }
 }
 
+/// Decomposed attention, `softmax(s·QKᵀ + M)V` in the inputs' type with the whole `T × T`
+/// score matrix: what Burn's autodiff records without a fused kernel. The kernels and the
+/// reference are checked against it, and the benchmarks compare with it.
+pub fn decomposed_attention<B: Backend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    causal: bool,
+) -> Tensor<B, 4> {
+    let [_, _, seq, d_head] = query.dims();
+    let scores = query.matmul(key.swap_dims(2, 3)) * (1.0 / (d_head as f64).sqrt());
+    let scores = match causal {
+        true => {
+            let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
+            scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY)
+        }
+        false => scores,
+    };
+    softmax(scores, 3).matmul(value)
+}
+
 /// A backend with fused attention: `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq,
 /// d_head]` tensors (M the causal mask when `causal`), whose autodiff backward is the fused one
 /// (recomputing the probabilities from the saved logsumexp) rather than the decomposed graph.
@@ -207,21 +234,80 @@ fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D>
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-/// The forward on the decorated backend: the reference (the CubeCL kernels take over on
-/// CubeCL backends).
+/// FlashAttention-2's forward kernel ([`flash::forward`]).
+struct FlashForward {
+    causal: bool,
+}
+
+impl CubeKernel<3, 2> for FlashForward {
+    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 3]) -> Option<[CubeTensor<R>; 2]> {
+        if let Some(reason) = flash::unsupported(&inputs) {
+            log::debug!("fused attention runs the reference: {reason}");
+            return None;
+        }
+        let [query, key, value] = inputs;
+        let (output, logsumexp) = flash::forward(query, key, value, self.causal);
+        Some([output, logsumexp])
+    }
+}
+
+/// FlashAttention-2's backward kernels ([`flash::backward`]).
+struct FlashBackward {
+    causal: bool,
+}
+
+impl CubeKernel<6, 3> for FlashBackward {
+    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 6]) -> Option<[CubeTensor<R>; 3]> {
+        if flash::unsupported(&inputs).is_some() {
+            return None;
+        }
+        Some(flash::backward(inputs, self.causal))
+    }
+}
+
+/// The forward on backend `B`: the CubeCL kernel on CubeCL backends when opted in
+/// ([`super::route`]), the reference otherwise.
 fn forward_on<B: Backend>(
     query: FloatTensor<B>,
     key: FloatTensor<B>,
     value: FloatTensor<B>,
     causal: bool,
 ) -> AttentionForward<B> {
-    attention_forward(
-        tensor(query),
-        tensor(key),
-        tensor(value),
-        causal,
-        REFERENCE_BLOCK,
-    )
+    match on_cube(&FlashForward { causal }, [query, key, value]) {
+        Ok([output, logsumexp]) => AttentionForward {
+            output: tensor(output),
+            logsumexp: tensor(logsumexp),
+        },
+        Err([query, key, value]) => attention_forward(
+            tensor(query),
+            tensor(key),
+            tensor(value),
+            causal,
+            REFERENCE_BLOCK,
+        ),
+    }
+}
+
+/// The backward on backend `B` from `[query, key, value, output, logsumexp, output_grad]`:
+/// the CubeCL kernels on CubeCL backends when opted in, the reference otherwise.
+fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 6], causal: bool) -> AttentionGrads<B> {
+    match on_cube(&FlashBackward { causal }, inputs) {
+        Ok([query, key, value]) => AttentionGrads {
+            query: tensor(query),
+            key: tensor(key),
+            value: tensor(value),
+        },
+        Err([query, key, value, output, logsumexp, output_grad]) => attention_backward(
+            tensor(query),
+            tensor(key),
+            tensor(value),
+            tensor(output),
+            tensor(logsumexp),
+            tensor(output_grad),
+            causal,
+            REFERENCE_BLOCK,
+        ),
+    }
 }
 
 impl<B: Backend> FusedAttentionBackend for Parallel<B> {
@@ -258,15 +344,9 @@ impl<B: Backend> Backward<Parallel<B>, 3> for FusedAttentionBackward {
     ) {
         let output_grad = grads.consume::<Parallel<B>>(&ops.node);
         let [query, key, value, output, logsumexp] = ops.state;
-        let input_grads = attention_backward::<Parallel<B>>(
-            tensor(query),
-            tensor(key),
-            tensor(value),
-            tensor(output),
-            tensor(logsumexp),
-            tensor(output_grad),
+        let input_grads = backward_on::<Parallel<B>>(
+            [query, key, value, output, logsumexp, output_grad],
             self.causal,
-            REFERENCE_BLOCK,
         );
         let [query_node, key_node, value_node] = ops.parents;
         for (node, grad) in [
@@ -316,27 +396,12 @@ impl<B: Backend, C: CheckpointStrategy> FusedAttentionBackend for Autodiff<Paral
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
-    use burn::tensor::activation::softmax;
     use burn::tensor::{DType, Distribution};
 
     use super::*;
 
     type B = Flex;
     type A = Autodiff<Flex>;
-
-    /// Decomposed attention, `softmax(s·QKᵀ + M)V`, with autodiff.
-    fn decomposed(q: Tensor<A, 4>, k: Tensor<A, 4>, v: Tensor<A, 4>, causal: bool) -> Tensor<A, 4> {
-        let [_, _, seq, d_head] = q.dims();
-        let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d_head as f64).sqrt());
-        let scores = match causal {
-            true => {
-                let future = Tensor::<A, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
-                scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY)
-            }
-            false => scores,
-        };
-        softmax(scores, 3).matmul(v)
-    }
 
     fn max_difference(a: Tensor<B, 4>, b: Tensor<B, 4>) -> f32 {
         let a: Vec<f32> = a.into_data().to_vec().unwrap();
@@ -363,7 +428,7 @@ mod tests {
                 let (q, k, v, grad) = (draw(), draw(), draw(), draw());
                 let leaf = |t: &Tensor<B, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
                 let (qa, ka, va) = (leaf(&q), leaf(&k), leaf(&v));
-                let expected = decomposed(qa.clone(), ka.clone(), va.clone(), causal);
+                let expected = decomposed_attention(qa.clone(), ka.clone(), va.clone(), causal);
                 let grads = (expected.clone() * Tensor::from_inner(grad.clone()))
                     .sum()
                     .backward();

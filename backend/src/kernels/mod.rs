@@ -1,8 +1,13 @@
 //! Fused kernels and their reference implementations (see DESIGN.md: `backend/src/kernels/`).
 //!
-//! - [`attention`]: FlashAttention-2's forward and backward, as a reference in Burn tensor ops.
+//! - [`attention`]: FlashAttention-2's forward and backward, as a reference in Burn tensor ops,
+//!   and the autodiff op that runs them.
+//! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
+//! - [`route`]: which of the two a call takes (the kernels on CubeCL backends, when opted in).
 
 pub mod attention;
+pub mod flash;
+pub mod route;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};

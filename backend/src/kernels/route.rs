@@ -1,0 +1,81 @@
+//! Which implementation a kernel call takes: the CubeCL kernel when the backend's tensor
+//! primitive is a CubeCL runtime's tensor (`CubeTensor<WgpuRuntime>` with the `wgpu` feature,
+//! `CubeTensor<CudaRuntime>` with `cuda`: Burn's `Wgpu` and `Cuda`, bare or inside
+//! `Parallel<_>`), the reference in Burn tensor ops otherwise (Flex, or a kernel that declines
+//! its inputs). The choice is by type, so every rank of a job takes the same path.
+//!
+//! **The kernels are opt-in for now** (`WILDFIRE_KERNELS=cubecl`). On lavapipe the attention
+//! kernels give wrong results for some larger shapes (head dim 128 with 224 or more rows; see
+//! `backend/tests/flash_attention.rs`), a cause not yet found, so they are not the default
+//! until that is resolved and they are checked on a GPU.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+
+use std::any::TypeId;
+
+use crate::typecast::same;
+
+/// A kernel taking `N` tensors and giving `M`, on any CubeCL runtime.
+pub(crate) trait CubeKernel<const N: usize, const M: usize> {
+    /// The outputs, or `None` when the kernel does not take these inputs (the caller then runs
+    /// the reference): a dtype the device lacks, a shape outside the kernel's range.
+    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; N]) -> Option<[CubeTensor<R>; M]>;
+}
+
+/// `kernel` on `inputs` (primitives of type `P`) when `P` is a CubeCL tensor and the kernel
+/// takes them; otherwise the inputs back.
+pub(crate) fn on_cube<P: 'static, const N: usize, const M: usize>(
+    kernel: &impl CubeKernel<N, M>,
+    inputs: [P; N],
+) -> Result<[P; M], [P; N]> {
+    if !kernels_enabled() {
+        return Err(inputs);
+    }
+    #[cfg(feature = "wgpu")]
+    let inputs = match on_runtime::<cubecl::wgpu::WgpuRuntime, P, N, M>(kernel, inputs) {
+        Ok(outputs) => return Ok(outputs),
+        Err(inputs) => inputs,
+    };
+    #[cfg(feature = "cuda")]
+    let inputs = match on_runtime::<cubecl::cuda::CudaRuntime, P, N, M>(kernel, inputs) {
+        Ok(outputs) => return Ok(outputs),
+        Err(inputs) => inputs,
+    };
+    let _ = kernel;
+    Err(inputs)
+}
+
+/// Whether `WILDFIRE_KERNELS=cubecl` opts in to the CubeCL kernels (read at every call).
+pub fn kernels_enabled() -> bool {
+    std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl")
+}
+
+/// [`on_cube`] for runtime `R`.
+fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
+    kernel: &impl CubeKernel<N, M>,
+    inputs: [P; N],
+) -> Result<[P; M], [P; N]> {
+    if TypeId::of::<P>() != TypeId::of::<CubeTensor<R>>() {
+        return Err(inputs);
+    }
+    let tensors = inputs.map(same::<P, CubeTensor<R>>);
+    match kernel.launch(tensors.clone()) {
+        Some(outputs) => Ok(outputs.map(same)),
+        None => Err(tensors.map(same)),
+    }
+}
+
+/// The CubeCL runtime whose kernels primitives of type `P` run, if any: `"wgpu"` or `"cuda"`.
+pub fn cube_runtime<P: 'static>() -> Option<&'static str> {
+    #[cfg(feature = "wgpu")]
+    if TypeId::of::<P>() == TypeId::of::<CubeTensor<cubecl::wgpu::WgpuRuntime>>() {
+        return Some("wgpu");
+    }
+    #[cfg(feature = "cuda")]
+    if TypeId::of::<P>() == TypeId::of::<CubeTensor<cubecl::cuda::CudaRuntime>>() {
+        return Some("cuda");
+    }
+    let _ = TypeId::of::<P>;
+    None
+}
