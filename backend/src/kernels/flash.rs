@@ -2,32 +2,33 @@
 //! bf16 inputs computed in f32. The math is the reference's ([`super::attention`]); these are
 //! its tiles written as kernels.
 //!
-//! Tensors are `[batch, heads, seq, d]`, made contiguous first. A cube of `TILE` units owns
-//! `TILE` rows of one head, one row per unit, held in registers (`d` up to [`MAX_HEAD_DIM`]):
+//! Tensors are `[batch, heads, seq, d]`, made contiguous first. A cube owns `TILE` (32) rows of
+//! one head; a unit owns one row and `CHUNK` (32) of its columns, so a cube has 32 × ⌈d/32⌉
+//! units (`d` up to [`MAX_HEAD_DIM`]). Scores are full dot products over `d`, which every
+//! column unit of a row computes alike (the same bits):
 //!
 //! - **forward** — a unit walks the keys in tiles of `TILE`. It keeps its row's running max `m`,
-//!   running sum `l` and unnormalised output `acc`; a tile with scores `s` updates
-//!   `m' = max(m, max s)`, `l' = l·e^(m−m') + Σ e^(s−m')`, `acc' = acc·e^(m−m') + Σ e^(s−m') v`.
-//!   It writes `O = acc/l` and `L = m + ln l`. No `T×T` matrix exists anywhere.
+//!   running sum `l` and its columns of the unnormalised output `acc`; a tile with scores `s`
+//!   updates `m' = max(m, max s)`, `l' = l·e^(m−m') + Σ e^(s−m')`,
+//!   `acc' = acc·e^(m−m') + Σ e^(s−m') v`. It writes `O = acc/l` and `L = m + ln l`. No `T×T`
+//!   matrix exists anywhere.
 //! - **backward** — with `Δᵢ = dOᵢ·Oᵢ` (one small kernel) and `Pᵢⱼ = e^(sᵢⱼ − Lᵢ)` recomputed
 //!   from the saved `L`: `dVⱼ = Σᵢ Pᵢⱼ dOᵢ`, `dSᵢⱼ = Pᵢⱼ (dOᵢ·Vⱼ − Δᵢ)`, `dKⱼ = c Σᵢ dSᵢⱼ Qᵢ`,
 //!   `dQᵢ = c Σⱼ dSᵢⱼ Kⱼ` (`c = 1/√d`). One kernel owns key rows (dK, dV, walking the queries),
 //!   one owns query rows (dQ, walking the keys); neither needs atomics.
 //!
-//! The units of a cube read the same key (or query) row at the same time, from cache; the rows
-//! are not staged in shared memory. Lavapipe compiles every compute shader as LLVM coroutines
-//! and took over a minute per kernel with barriers and compile-time loop bounds, so `d` and the
-//! tile are runtime values here and there are no barriers. Staging tiles in shared memory and
-//! tensor-core (`cmma`) inner products are what GPU throughput needs next
-//! (docs/benchmarks/kernels.md).
+//! Rows are read from global memory (cache), not staged in shared memory. Lavapipe compiles
+//! every compute shader as LLVM coroutines and took over a minute per kernel with barriers and
+//! compile-time loop bounds, so `d` and the tile are runtime values and there are no barriers.
+//! Staging tiles in shared memory and tensor-core (`cmma`) inner products are what GPU
+//! throughput needs next.
 //!
-//! Under the causal mask a cube walks only the keys (or queries) its rows can see. Control flow
-//! is the same for every unit of a cube: masked scores are selected away rather than skipped,
-//! and units past the sequence end (a length that is not a multiple of the tile) compute the
-//! last row again and write the same bits to it. Lavapipe (Mesa 22.3) miscompiled loops that
-//! some units of a SIMD group skipped (they ran one iteration, for every unit), which these
-//! kernels never have.
-
+//! **Open (lavapipe):** with whole rows in per-unit arrays (up to 128 floats) results went wrong
+//! past a size (head dim 48 from about 700 rows, 128 from about 224); `CHUNK`-column units fixed
+//! the forward up to 257 × 128, but the gradients there are still wrong, and the forward at
+//! 600 × 128. Head dims up to 32 are right at every length tried (2000). The cause is not found;
+//! the kernels are opt-in until it is ([`super::route`]).
+//!
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -41,49 +42,64 @@ const MASKED: f32 = -1.0e30;
 /// Rows per cube, and keys per online-softmax step.
 const TILE: usize = 32;
 
-/// The largest head dim the kernels take (a row lives in registers).
+/// Columns of a row one unit accumulates (see the module doc).
+const CHUNK: usize = 32;
+
+/// The largest head dim the kernels take: `CHUNK` columns per unit, at most 256 units a cube.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// `Σₖ a[k]·src[start + k]`, in f32.
+/// `Σₖ a[sa + k]·b[sb + k]` over `d` elements, in f32.
 #[cube]
-fn dot<F: Float>(a: &Array<f32>, src: &Tensor<F>, start: usize, d: usize) -> f32 {
+fn dot<F: Float>(a: &Tensor<F>, sa: usize, b: &Tensor<F>, sb: usize, d: usize) -> f32 {
     let mut sum = 0.0f32;
     for k in 0..d {
-        sum += a[k] * f32::cast_from(src[start + k]);
+        sum += f32::cast_from(a[sa + k]) * f32::cast_from(b[sb + k]);
     }
     sum
 }
 
-/// Row `row` of `src` (head `head`) in registers, times `factor`, as f32 (zeros past the end).
+/// `CHUNK` zeros: one unit's share of a row.
 #[cube]
-fn row_registers<F: Float>(
-    src: &Tensor<F>,
-    head: usize,
-    row: usize,
-    seq: usize,
-    factor: f32,
-    d: usize,
-    #[comptime] capacity: usize,
-) -> Array<f32> {
-    let mut out = Array::<f32>::new(capacity);
-    let start = (head * seq + row) * d;
-    for k in 0..d {
-        let mut value = 0.0f32;
-        if row < seq {
-            value = f32::cast_from(src[start + k]) * factor;
-        }
-        out[k] = value;
+fn zeros() -> Array<f32> {
+    let mut out = Array::<f32>::new(CHUNK);
+    for c in 0..CHUNK {
+        out[c] = 0.0;
     }
     out
 }
 
+/// `acc[c] += factor · src[start + min(first + c, d − 1)]` for this unit's `CHUNK` columns
+/// starting at `first` (columns past `d` read the last one and are never written).
 #[cube]
-fn zeros(d: usize, #[comptime] capacity: usize) -> Array<f32> {
-    let mut out = Array::<f32>::new(capacity);
-    for k in 0..d {
-        out[k] = 0.0;
+fn add_scaled<F: Float>(
+    acc: &mut Array<f32>,
+    factor: f32,
+    src: &Tensor<F>,
+    start: usize,
+    first: usize,
+    d: usize,
+) {
+    for c in 0..CHUNK {
+        let column = min(first + c, d - 1);
+        acc[c] += factor * f32::cast_from(src[start + column]);
     }
-    out
+}
+
+/// `dst[start + first + c] = acc[c]·factor` for the columns below `d`.
+#[cube]
+fn store<F: Float>(
+    dst: &mut Tensor<F>,
+    acc: &Array<f32>,
+    factor: f32,
+    start: usize,
+    first: usize,
+    d: usize,
+) {
+    for c in 0..CHUNK {
+        if first + c < d {
+            dst[start + first + c] = F::cast_from(acc[c] * factor);
+        }
+    }
 }
 
 /// Whether query `query` sees key `key`.
@@ -117,17 +133,16 @@ fn flash_forward_kernel<F: Float>(
     scale: f32,
     d: usize,
     tile: usize,
-    #[comptime] capacity: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
     let first_query = CUBE_POS_X as usize * tile;
-    let unit_row = first_query + UNIT_POS_X as usize;
-    let row = min(unit_row, seq - 1);
+    let row = min(first_query + UNIT_POS_Y as usize, seq - 1);
+    let first_column = UNIT_POS_X as usize * CHUNK;
+    let query_start = (head * seq + row) * d;
 
-    let q = row_registers::<F>(query, head, row, seq, scale, d, capacity);
-    let mut acc = zeros(d, capacity);
+    let mut acc = zeros();
     let mut scores = Array::<f32>::new(TILE);
     let mut running_max = f32::new(MASKED);
     let mut sum = 0.0f32;
@@ -136,8 +151,8 @@ fn flash_forward_kernel<F: Float>(
     for first_key in range_stepped(0, end, tile) {
         let mut tile_max = f32::new(MASKED);
         for j in 0..tile {
-            let key_row = min(first_key + j, seq - 1);
-            let score = dot::<F>(&q, key, (head * seq + key_row) * d, d);
+            let key_start = (head * seq + min(first_key + j, seq - 1)) * d;
+            let score = dot::<F>(query, query_start, key, key_start, d) * scale;
             let seen = visible(row, first_key + j, seq, causal);
             scores[j] = select(seen, score, f32::new(MASKED));
             tile_max = tile_max.max(scores[j]);
@@ -145,27 +160,23 @@ fn flash_forward_kernel<F: Float>(
         let new_max = running_max.max(tile_max);
         let correction = (running_max - new_max).exp();
         sum *= correction;
-        for k in 0..d {
-            acc[k] *= correction;
+        for c in 0..CHUNK {
+            acc[c] *= correction;
         }
         for j in 0..tile {
             let seen = visible(row, first_key + j, seq, causal);
             let p = select(seen, (scores[j] - new_max).exp(), 0.0f32);
             sum += p;
-            let start = (head * seq + min(first_key + j, seq - 1)) * d;
-            for k in 0..d {
-                acc[k] += p * f32::cast_from(value[start + k]);
-            }
+            let value_start = (head * seq + min(first_key + j, seq - 1)) * d;
+            add_scaled::<F>(&mut acc, p, value, value_start, first_column, d);
         }
         running_max = new_max;
     }
 
-    let start = (head * seq + row) * d;
-    let inverse = 1.0f32 / sum;
-    for k in 0..d {
-        output[start + k] = F::cast_from(acc[k] * inverse);
+    store::<F>(output, &acc, 1.0f32 / sum, query_start, first_column, d);
+    if UNIT_POS_X == 0 {
+        logsumexp[head * seq + row] = running_max + sum.ln();
     }
-    logsumexp[head * seq + row] = running_max + sum.ln();
 }
 
 /// `Δᵢ = dOᵢ·Oᵢ` for every row, in f32.
@@ -179,11 +190,7 @@ fn row_dot_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let row = min(ABSOLUTE_POS, rows - 1);
-    let mut sum = 0.0f32;
-    for k in 0..d {
-        sum += f32::cast_from(output[row * d + k]) * f32::cast_from(output_grad[row * d + k]);
-    }
-    delta[row] = sum;
+    delta[row] = dot::<F>(output, row * d, output_grad, row * d, d);
 }
 
 /// dK and dV: a cube owns `TILE` key rows of one head and walks the queries that see them.
@@ -202,19 +209,16 @@ fn flash_backward_kv_kernel<F: Float>(
     scale: f32,
     d: usize,
     tile: usize,
-    #[comptime] capacity: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let unit_row = CUBE_POS_X as usize * tile + UNIT_POS_X as usize;
-    let key_row = min(unit_row, seq - 1);
+    let key_row = min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1);
+    let first_column = UNIT_POS_X as usize * CHUNK;
+    let key_start = (head * seq + key_row) * d;
 
-    // `k` holds c·K, so `k·Qᵢ` is the scaled score.
-    let k = row_registers::<F>(key, head, key_row, seq, scale, d, capacity);
-    let v = row_registers::<F>(value, head, key_row, seq, 1.0, d, capacity);
-    let mut dk = zeros(d, capacity);
-    let mut dv = zeros(d, capacity);
+    let mut dk = zeros();
+    let mut dv = zeros();
     // Under the mask the queries from the cube's first key on; every unit walks the same ones.
     let mut first_query = 0usize;
     if causal {
@@ -224,23 +228,15 @@ fn flash_backward_kv_kernel<F: Float>(
         let index = head * seq + query_row;
         let start = index * d;
         let seen = visible(query_row, key_row, seq, causal);
-        let p = select(
-            seen,
-            (dot::<F>(&k, query, start, d) - logsumexp[index]).exp(),
-            0.0f32,
-        );
-        let ds = p * (dot::<F>(&v, output_grad, start, d) - delta[index]) * scale;
-        for c in 0..d {
-            dv[c] += p * f32::cast_from(output_grad[start + c]);
-            dk[c] += ds * f32::cast_from(query[start + c]);
-        }
+        let score = dot::<F>(key, key_start, query, start, d) * scale;
+        let p = select(seen, (score - logsumexp[index]).exp(), 0.0f32);
+        let ds = p * (dot::<F>(value, key_start, output_grad, start, d) - delta[index]) * scale;
+        add_scaled::<F>(&mut dv, p, output_grad, start, first_column, d);
+        add_scaled::<F>(&mut dk, ds, query, start, first_column, d);
     }
 
-    let start = (head * seq + key_row) * d;
-    for c in 0..d {
-        key_grad[start + c] = F::cast_from(dk[c]);
-        value_grad[start + c] = F::cast_from(dv[c]);
-    }
+    store::<F>(key_grad, &dk, 1.0, key_start, first_column, d);
+    store::<F>(value_grad, &dv, 1.0, key_start, first_column, d);
 }
 
 /// dQ: a cube owns `TILE` query rows of one head and walks the keys they see.
@@ -258,33 +254,28 @@ fn flash_backward_q_kernel<F: Float>(
     scale: f32,
     d: usize,
     tile: usize,
-    #[comptime] capacity: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let unit_row = CUBE_POS_X as usize * tile + UNIT_POS_X as usize;
-    let row = min(unit_row, seq - 1);
-
+    let row = min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1);
+    let first_column = UNIT_POS_X as usize * CHUNK;
     let index = head * seq + row;
-    let q = row_registers::<F>(query, head, row, seq, scale, d, capacity);
-    let grad = row_registers::<F>(output_grad, head, row, seq, 1.0, d, capacity);
+    let query_start = index * d;
     let (row_lse, row_delta) = (logsumexp[index], delta[index]);
-    let mut dq = zeros(d, capacity);
+
+    let mut dq = zeros();
     let end = keys_seen(CUBE_POS_X as usize * tile, seq, tile, causal);
     for key_row in 0..end {
         let start = (head * seq + key_row) * d;
         let seen = visible(row, key_row, seq, causal);
-        let p = select(seen, (dot::<F>(&q, key, start, d) - row_lse).exp(), 0.0f32);
-        let ds = p * (dot::<F>(&grad, value, start, d) - row_delta) * scale;
-        for c in 0..d {
-            dq[c] += ds * f32::cast_from(key[start + c]);
-        }
+        let score = dot::<F>(query, query_start, key, start, d) * scale;
+        let p = select(seen, (score - row_lse).exp(), 0.0f32);
+        let ds = p * (dot::<F>(output_grad, query_start, value, start, d) - row_delta) * scale;
+        add_scaled::<F>(&mut dq, ds, key, start, first_column, d);
     }
 
-    for c in 0..d {
-        query_grad[index * d + c] = F::cast_from(dq[c]);
-    }
+    store::<F>(query_grad, &dq, 1.0, query_start, first_column, d);
 }
 
 /// Why the kernels cannot run attention on `inputs` (query, key, value, …; the caller then runs
@@ -323,7 +314,8 @@ pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
     None
 }
 
-/// The launch geometry shared by the kernels: a cube of `TILE` units per `TILE` rows of a head.
+/// The launch geometry shared by the kernels: a cube per `TILE` rows of a head, a unit per row
+/// and `CHUNK` columns.
 struct Launch {
     heads: usize,
     seq: usize,
@@ -342,25 +334,15 @@ impl Launch {
         }
     }
 
-    /// The register capacity of a row: `d` rounded up to a power of two (at least 32), so the
-    /// kernels compile once per bucket rather than once per head dim. `d` itself is a runtime
-    /// value: a compile-time one let lavapipe's LLVM unroll every row loop, and compiling one
-    /// forward took a minute.
-    fn capacity(&self) -> usize {
-        self.d.next_power_of_two().max(32)
-    }
-
     fn cubes(&self) -> CubeCount {
         CubeCount::Static(self.seq.div_ceil(TILE) as u32, self.heads as u32, 1)
     }
 
     fn cube_dim(&self) -> CubeDim {
-        CubeDim::new_1d(TILE as u32)
+        CubeDim::new_2d(self.d.div_ceil(CHUNK) as u32, TILE as u32)
     }
 }
 
-/// A new tensor on `tensor`'s device with contiguous strides, which the kernels index by (the
-/// allocator's default layout may pad rows).
 fn empty_like<R: CubeRuntime>(tensor: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
     empty_device_contiguous_dtype(tensor.client.clone(), tensor.device.clone(), shape, dtype)
 }
@@ -396,7 +378,6 @@ pub fn forward<R: CubeRuntime>(
             launch.scale,
             launch.d,
             TILE,
-            launch.capacity(),
             causal,
             dtype.into(),
         )
@@ -426,7 +407,7 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
         row_dot_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows.div_ceil(TILE) as u32, 1, 1),
-            launch.cube_dim(),
+            CubeDim::new_1d(TILE as u32),
             output.into_tensor_arg(),
             output_grad.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
@@ -450,7 +431,6 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
             launch.scale,
             launch.d,
             TILE,
-            launch.capacity(),
             causal,
             dtype.into(),
         );
@@ -469,7 +449,6 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
             launch.scale,
             launch.d,
             TILE,
-            launch.capacity(),
             causal,
             dtype.into(),
         );

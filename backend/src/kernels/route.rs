@@ -5,9 +5,9 @@
 //! its inputs). The choice is by type, so every rank of a job takes the same path.
 //!
 //! **The kernels are opt-in for now** (`WILDFIRE_KERNELS=cubecl`). On lavapipe the attention
-//! kernels give wrong results for some larger shapes (head dim 128 with 224 or more rows; see
-//! `backend/tests/flash_attention.rs`), a cause not yet found, so they are not the default
-//! until that is resolved and they are checked on a GPU.
+//! kernels give wrong results for some larger shapes (gradients at head dim 128 and length 257;
+//! see `kernels::flash`), a cause not yet found, so they are not the default until that is
+//! resolved and they are checked on a GPU.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
