@@ -102,10 +102,23 @@ fn store<F: Float>(
     }
 }
 
-/// Whether query `query` sees key `key`.
+/// The row this unit owns: row `UNIT_POS_Y` of the cube's `tile`, or the last row for units
+/// past the sequence end (they compute it again and write the same bits).
+#[cube]
+fn unit_row(tile: usize, seq: usize) -> usize {
+    min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1)
+}
+
+/// The first of the `CHUNK` columns this unit owns.
+#[cube]
+fn unit_first_column() -> usize {
+    UNIT_POS_X as usize * CHUNK
+}
+
+/// Whether query `query` (a row below `seq`) sees key `key`.
 #[cube]
 fn visible(query: usize, key: usize, seq: usize, #[comptime] causal: bool) -> bool {
-    let mut seen = key < seq && query < seq;
+    let mut seen = key < seq;
     if causal {
         seen = seen && key <= query;
     }
@@ -138,8 +151,8 @@ fn flash_forward_kernel<F: Float>(
 ) {
     let head = CUBE_POS_Y as usize;
     let first_query = CUBE_POS_X as usize * tile;
-    let row = min(first_query + UNIT_POS_Y as usize, seq - 1);
-    let first_column = UNIT_POS_X as usize * CHUNK;
+    let row = unit_row(tile, seq);
+    let first_column = unit_first_column();
     let query_start = (head * seq + row) * d;
 
     let mut acc = zeros();
@@ -213,8 +226,8 @@ fn flash_backward_kv_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let key_row = min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1);
-    let first_column = UNIT_POS_X as usize * CHUNK;
+    let key_row = unit_row(tile, seq);
+    let first_column = unit_first_column();
     let key_start = (head * seq + key_row) * d;
 
     let mut dk = zeros();
@@ -258,8 +271,8 @@ fn flash_backward_q_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let row = min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1);
-    let first_column = UNIT_POS_X as usize * CHUNK;
+    let row = unit_row(tile, seq);
+    let first_column = unit_first_column();
     let index = head * seq + row;
     let query_start = index * d;
     let (row_lse, row_delta) = (logsumexp[index], delta[index]);
@@ -362,8 +375,9 @@ pub fn forward<R: CubeRuntime>(
     let [batch, heads, seq, _] = shape.dims::<4>();
     let logsumexp = empty_like(&query, Shape::new([batch, heads, seq]), DType::F32);
     let dtype = query.dtype;
-    // SAFETY: units past the sequence end return before touching memory, and every other index
-    // is below `heads·seq·d` of contiguous tensors of the shapes the kernel assumes.
+    // SAFETY: every index is below `heads·seq·d` of contiguous tensors of the shapes the kernel
+    // assumes (rows and key rows are clamped to `seq − 1`, columns to `d − 1` on reads and
+    // skipped past `d` on writes).
     unsafe {
         flash_forward_kernel::launch_unchecked(
             &query.client.clone(),

@@ -13,6 +13,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
 use std::any::TypeId;
+use std::sync::OnceLock;
 
 use crate::typecast::same;
 
@@ -46,9 +47,11 @@ pub(crate) fn on_cube<P: 'static, const N: usize, const M: usize>(
     Err(inputs)
 }
 
-/// Whether `WILDFIRE_KERNELS=cubecl` opts in to the CubeCL kernels (read at every call).
+/// Whether `WILDFIRE_KERNELS=cubecl` opts in to the CubeCL kernels (read once per process:
+/// every attention call asks).
 pub fn kernels_enabled() -> bool {
-    std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl")
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl"))
 }
 
 /// [`on_cube`] for runtime `R`.
