@@ -29,26 +29,10 @@ use wildfire_backend::kernels::attention::decomposed_attention;
 use wildfire_backend::kernels::flash;
 use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled};
 
-type Reference = Autodiff<Flex>;
+mod common;
+use common::{has_dtype, wgpu_device};
 
-/// The wgpu device, or `None` (printed as a skip) when there is no adapter.
-fn wgpu_device() -> Option<WgpuDevice> {
-    let probe = std::panic::catch_unwind(|| {
-        let device = WgpuDevice::default();
-        <Wgpu as Backend>::supports_dtype(&device, DType::F32);
-        device
-    });
-    match probe {
-        Ok(device) => Some(device),
-        Err(_) if std::env::var("WILDFIRE_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
-            panic!("WILDFIRE_REQUIRE_WGPU=1 but no wgpu adapter was found")
-        }
-        Err(_) => {
-            eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
-            None
-        }
-    }
-}
+type Reference = Autodiff<Flex>;
 
 /// `max |a − b| / max |b|`.
 fn relative_error(actual: TensorData, expected: TensorData) -> f32 {
@@ -148,8 +132,7 @@ fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: 
 /// Every `(head dim, lengths)` and mask in `dtype`, each within `tolerance`.
 fn check(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
     let Some(device) = wgpu_device() else { return };
-    if !<Wgpu as Backend>::supports_dtype(&device, dtype) {
-        eprintln!("skipped: this wgpu device has no {dtype:?} arithmetic");
+    if !has_dtype(&device, dtype) {
         return;
     }
     let mut failures = Vec::new();

@@ -96,7 +96,7 @@ impl<B: Backend> FloatTensorOps<Self> for Parallel<B> {
         B::float_remainder_scalar(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        B::float_matmul(lhs, rhs)
+        super::overrides::float_matmul::<B>(lhs, rhs)
     }
     fn float_cross(
         lhs: FloatTensor<Self>,

@@ -4,7 +4,7 @@
 //! `Parallel<_>`), the reference in Burn tensor ops otherwise (Flex, or a kernel that declines
 //! its inputs). The choice is by type, so every rank of a job takes the same path.
 //!
-//! **The kernels are opt-in for now** (`WILDFIRE_KERNELS=cubecl`). On lavapipe the attention
+//! **The kernels are opt-in for now** (`WILDFIRE_KERNELS=cubecl`, or [`set_kernels_enabled`]). On lavapipe the attention
 //! kernels give wrong results for some larger shapes (gradients at head dim 128 and length 257;
 //! see `kernels::flash`), a cause not yet found, so they are not the default until that is
 //! resolved and they are checked on a GPU.
@@ -13,7 +13,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
 use std::any::TypeId;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::typecast::same;
 
@@ -47,12 +47,35 @@ pub(crate) fn on_cube<P: 'static, const N: usize, const M: usize>(
     Err(inputs)
 }
 
-/// Whether `WILDFIRE_KERNELS=cubecl` opts in to the CubeCL kernels (read once per process:
-/// every attention call asks).
+/// Whether the CubeCL kernels are opted in: by [`set_kernels_enabled`], or else by
+/// `WILDFIRE_KERNELS=cubecl` (read once per process: every attention and matmul call asks).
 pub fn kernels_enabled() -> bool {
-    static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl"))
+    match KERNELS.load(Ordering::Relaxed) {
+        UNDECIDED => {
+            let from_env = std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl");
+            // A concurrent `set_kernels_enabled` wins over the environment.
+            let _ = KERNELS.compare_exchange(
+                UNDECIDED,
+                if from_env { ENABLED } else { DISABLED },
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            KERNELS.load(Ordering::Relaxed) == ENABLED
+        }
+        state => state == ENABLED,
+    }
 }
+
+/// Opts in to (or out of) the CubeCL kernels for this process, whatever `WILDFIRE_KERNELS`
+/// says.
+pub fn set_kernels_enabled(enabled: bool) {
+    KERNELS.store(if enabled { ENABLED } else { DISABLED }, Ordering::Relaxed);
+}
+
+const UNDECIDED: u8 = 0;
+const DISABLED: u8 = 1;
+const ENABLED: u8 = 2;
+static KERNELS: AtomicU8 = AtomicU8::new(UNDECIDED);
 
 /// [`on_cube`] for runtime `R`.
 fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(

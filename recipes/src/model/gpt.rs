@@ -21,6 +21,7 @@ use wildfire_backend::collective::{
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
 use wildfire_backend::kernels::attention::fused_attention;
+use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
@@ -473,23 +474,11 @@ fn layer_norm_fp32<B: Backend>(norm: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B
     in_fp32(x, |x| norm.forward(x))
 }
 
-/// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, computed as the equal
-/// `x / (1 + exp(−2√(2/π)(x + 0.044715x³)))` (from `½(1 + tanh z) = σ(2z)`), with `x³` as
-/// products. Burn's `gelu_approximate` evaluates the same function through `powf` and `tanh`
-/// (and Burn's generic sigmoid through `exp`, `log1p` and `exp` again); on the CPU backend that
-/// took a quarter of a tiny-model training step, and this form costs one `exp`.
-///
-/// It runs in fp32 whatever `x`'s type, with the exponent clamped at 80: for very negative x
-/// (below −9.5 in fp32, −4 in fp16) `exp` would overflow to +∞, and although the quotient's limit
-/// is the right −0, the backward would multiply the overflowed `exp` by a zero gradient, NaN. At
-/// the clamp the quotient is already below 1e-33 in magnitude.
+/// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, in fp32 whatever `x`'s type
+/// ([`gelu_tanh_f32`] states the form and its clamp). On the CPU backend Burn's
+/// `gelu_approximate` took a quarter of a tiny-model training step; this form costs one `exp`.
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    const MINUS_TWO_SQRT_2_OVER_PI: f64 = -2.0 * 0.797_884_560_802_865_4;
-    in_fp32(x, |x| {
-        let cube = x.clone() * x.clone() * x.clone();
-        let exponent = (x.clone() + cube * 0.044715) * MINUS_TWO_SQRT_2_OVER_PI;
-        x / (exponent.clamp_max(80.0).exp() + 1.0)
-    })
+    in_fp32(x, gelu_tanh_f32)
 }
 
 impl<B: Backend> Gpt<B> {

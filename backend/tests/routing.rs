@@ -1,0 +1,189 @@
+//! The decorator's routing, end to end: fused attention under `Autodiff<Parallel<Wgpu>>` with the
+//! CubeCL kernels opted in (`set_kernels_enabled`), and the matmul precision policy on
+//! `Parallel<Flex>` (the reference) and `Parallel<Wgpu>` (the kernel).
+//!
+//! Both are process-wide settings, so this binary has one test, which sets them in order.
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Flex, Wgpu};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
+use wildfire_backend::Parallel;
+use wildfire_backend::kernels::attention::{decomposed_attention, fused_attention};
+use wildfire_backend::kernels::matmul::{
+    MatmulPrecision, MixedMatmul, reference, set_matmul_precision,
+};
+use wildfire_backend::kernels::route::set_kernels_enabled;
+
+mod common;
+use common::wgpu_device;
+
+/// A `[rows, columns]` tensor of uniform values in [−2, 2) drawn on Flex.
+fn uniform(shape: [usize; 2], seed: u64) -> TensorData {
+    Flex::seed(&Default::default(), seed);
+    Tensor::<Flex, 2>::random(shape, Distribution::Uniform(-2.0, 2.0), &Default::default())
+        .into_data()
+}
+
+fn values(data: TensorData) -> Vec<f32> {
+    data.convert::<f32>().to_vec().unwrap()
+}
+
+#[test]
+fn the_decorator_routes_attention_and_matmuls() {
+    set_kernels_enabled(true);
+    if let Some(device) = wgpu_device() {
+        routed_attention_matches_decomposed(&device);
+    }
+    matmul_policy_on_flex();
+    if let Some(device) = wgpu_device() {
+        matmul_policy_on_wgpu(&device);
+    }
+    set_matmul_precision(MatmulPrecision::Off);
+}
+
+/// The forward and the three gradients of `Autodiff<Parallel<Wgpu>>`'s fused attention (the
+/// kernels and their autodiff node) against decomposed attention with autodiff on Flex.
+/// Tolerance 1e-5 of the largest reference value, as for the kernels alone.
+fn routed_attention_matches_decomposed(device: &WgpuDevice) {
+    type Routed = Autodiff<Parallel<Wgpu>>;
+    type Reference = Autodiff<Flex>;
+    let shape = [1, 2, 128, 64];
+    let data: Vec<TensorData> = (0..4)
+        .map(|seed| {
+            Flex::seed(&Default::default(), seed);
+            Tensor::<Flex, 4>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+                .into_data()
+        })
+        .collect();
+    for causal in [true, false] {
+        let [q, k, v] = [0, 1, 2]
+            .map(|i| Tensor::<Routed, 4>::from_data(data[i].clone(), device).require_grad());
+        let output = fused_attention(q.clone(), k.clone(), v.clone(), causal);
+        let output_grad = Tensor::<Routed, 4>::from_data(data[3].clone(), device);
+        let grads = (output.clone() * output_grad).sum().backward();
+        let routed = [
+            output.into_data(),
+            q.grad(&grads).unwrap().into_data(),
+            k.grad(&grads).unwrap().into_data(),
+            v.grad(&grads).unwrap().into_data(),
+        ];
+
+        let [q, k, v] = [0, 1, 2].map(|i| {
+            Tensor::<Reference, 4>::from_data(data[i].clone(), &Default::default()).require_grad()
+        });
+        let output = decomposed_attention(q.clone(), k.clone(), v.clone(), causal);
+        let output_grad = Tensor::<Reference, 4>::from_data(data[3].clone(), &Default::default());
+        let grads = (output.clone() * output_grad).sum().backward();
+        let expected = [
+            output.into_data(),
+            q.grad(&grads).unwrap().into_data(),
+            k.grad(&grads).unwrap().into_data(),
+            v.grad(&grads).unwrap().into_data(),
+        ];
+        for (name, (actual, expected)) in ["O", "dQ", "dK", "dV"]
+            .iter()
+            .zip(routed.into_iter().zip(expected))
+        {
+            let (actual, expected) = (values(actual), values(expected));
+            let scale = expected.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let worst = actual
+                .iter()
+                .zip(&expected)
+                .map(|(a, e)| (a - e).abs())
+                .fold(0.0, f32::max);
+            println!(
+                "routed attention causal {causal}: {name} relative error {:.1e}",
+                worst / scale
+            );
+            assert!(
+                worst <= 1e-5 * scale,
+                "{name} causal {causal}: {worst:e} of {scale:e}"
+            );
+        }
+    }
+}
+
+/// On `Parallel<Flex>`: off is the backend's own matmul, bit for bit; bf16 is the reference
+/// mixed-precision matmul (inputs rounded to bf16), bit for bit, and differs from f32; and the
+/// backward's matmuls under `Autodiff<Parallel<Flex>>` take the policy too.
+fn matmul_policy_on_flex() {
+    let device = Default::default();
+    let [x, w] = [uniform([8, 48], 1), uniform([48, 16], 2)];
+    let plain = Tensor::<Flex, 2>::from_data(x.clone(), &device)
+        .matmul(Tensor::from_data(w.clone(), &device))
+        .into_data();
+    let decorated = || {
+        Tensor::<Parallel<Flex>, 2>::from_data(x.clone(), &device)
+            .matmul(Tensor::from_data(w.clone(), &device))
+            .into_data()
+    };
+
+    set_matmul_precision(MatmulPrecision::Off);
+    assert_eq!(values(decorated()), values(plain.clone()), "policy off");
+
+    set_matmul_precision(MatmulPrecision::Bf16);
+    let spec = MixedMatmul {
+        compute: FloatDType::BF16,
+        output: FloatDType::F32,
+        gelu: false,
+    };
+    let expected = reference(
+        Tensor::<Flex, 2>::from_data(x.clone(), &device),
+        Tensor::from_data(w.clone(), &device),
+        None,
+        spec,
+    );
+    assert_eq!(
+        values(decorated()),
+        values(expected.into_data()),
+        "policy bf16"
+    );
+    assert_ne!(
+        values(decorated()),
+        values(plain),
+        "bf16 rounding changes the product"
+    );
+
+    // d(Σ x·w)/dx = 1·wᵀ, itself a matmul the policy rounds.
+    let leaf = Tensor::<Autodiff<Parallel<Flex>>, 2>::from_data(x, &device).require_grad();
+    let product = leaf.clone().matmul(Tensor::from_data(w.clone(), &device));
+    let grads = product.sum().backward();
+    let expected_grad = reference(
+        Tensor::<Flex, 2>::ones([8, 16], &device),
+        Tensor::<Flex, 2>::from_data(w, &device).transpose(),
+        None,
+        spec,
+    );
+    assert_eq!(
+        values(leaf.grad(&grads).unwrap().into_data()),
+        values(expected_grad.into_data()),
+        "the backward's matmul under bf16"
+    );
+}
+
+/// On `Parallel<Wgpu>` with the kernels opted in, f16: the kernel's product equals
+/// `Parallel<Flex>`'s (the reference) under the same policy, up to the order of the f32 sums,
+/// `|Δ| ≤ 2γ·Σ|aₗbₗ|` with `γ = 1.01·k·2⁻²⁴`. A product from unrounded inputs would differ by
+/// about 2⁻¹¹·Σ|aₗbₗ|, far beyond that.
+fn matmul_policy_on_wgpu(device: &WgpuDevice) {
+    let (k, n) = (64, 24);
+    let [x, w] = [uniform([16, k], 3), uniform([k, n], 4)];
+    set_matmul_precision(MatmulPrecision::F16);
+    let on_wgpu = Tensor::<Parallel<Wgpu>, 2>::from_data(x.clone(), device)
+        .matmul(Tensor::from_data(w.clone(), device))
+        .into_data();
+    let on_flex = Tensor::<Parallel<Flex>, 2>::from_data(x.clone(), &Default::default())
+        .matmul(Tensor::from_data(w.clone(), &Default::default()))
+        .into_data();
+    let (x, w) = (values(x), values(w));
+    let gamma = 1.01 * k as f32 * 2f32.powi(-24);
+    for (index, (a, b)) in values(on_wgpu).iter().zip(values(on_flex)).enumerate() {
+        let (i, j) = (index / n, index % n);
+        let magnitude: f32 = (0..k).map(|l| (x[i * k + l] * w[l * n + j]).abs()).sum();
+        assert!(
+            (a - b).abs() <= 2.0 * gamma * magnitude,
+            "element ({i}, {j}): wgpu {a} against the reference {b}"
+        );
+    }
+}
