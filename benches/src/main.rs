@@ -5,6 +5,7 @@ mod alloc;
 mod comm;
 mod decorator;
 mod dp;
+mod kernels;
 mod memory;
 mod pp;
 mod tp;
@@ -51,6 +52,9 @@ enum Command {
     /// Peak heap and step time under activation checkpointing none, full and selective (tiny
     /// and gpt2 presets).
     Activations(activations::ActivationArgs),
+    /// wildfire's CubeCL kernels (attention forward and forward+backward, mixed-precision matmul)
+    /// against Burn's own attention and matmul on the same device (wgpu, or CUDA with `cuda`).
+    Kernels(kernels::KernelArgs),
     /// Data-parallel throughput of the tiny model at dp = 1 and 2, threads and processes, with
     /// scaling efficiency and the communication share of a step.
     Dp(dp::DpArgs),
@@ -82,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         Command::Memory(args) => memory::run(args),
         Command::Activations(args) => activations::run(args),
         Command::Dp(args) => dp::run(args),
+        Command::Kernels(args) => kernels::run(args),
         Command::Tp(args) => tp::run(args),
         Command::RecipeWorker(args) => dp::worker(args),
         Command::PpWorker(args) => pp::worker(args),

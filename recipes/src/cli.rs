@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use wildfire_backend::comm::{self, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, selfcheck};
 use wildfire_backend::launch::{self, LaunchConfig};
 
+use wildfire_backend::kernels::matmul::MatmulPrecision;
 use wildfire_parallel::precision::Precision;
 
 use crate::CpuBackend;
@@ -99,6 +100,10 @@ pub struct TrainArgs {
     /// with dynamic loss scaling) (sets precision.compute).
     #[arg(long, value_name = "fp32|bf16|fp16")]
     pub precision: Option<Precision>,
+    /// Matmul precision of an fp32 run: off, bf16 or f16 (inputs rounded to that type, products
+    /// accumulated in f32) (sets precision.matmul).
+    #[arg(long, value_name = "off|bf16|f16")]
+    pub matmul_precision: Option<MatmulPrecision>,
     /// Activation checkpointing: none, full (recompute each block) or selective (recompute the
     /// memory-bound operations) (sets train.activation_checkpointing).
     #[arg(long, value_enum)]
@@ -159,6 +164,10 @@ impl TrainArgs {
         set(
             "precision.compute",
             self.precision.map(|p| quoted(&p.to_string())),
+        );
+        set(
+            "precision.matmul",
+            self.matmul_precision.map(|p| quoted(&p.to_string())),
         );
         set(
             "parallel.transport",

@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use wildfire_backend::kernels::matmul::MatmulPrecision;
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
 use wildfire_parallel::precision::{DynamicLossScaler, Precision};
@@ -46,6 +47,9 @@ pub struct PrecisionSection {
     pub initial_loss_scale: f64,
     /// fp16: clean steps in a row after which the loss scale doubles.
     pub loss_scale_window: u32,
+    /// off, bf16 or f16: the type fp32 matmuls round their inputs to (products accumulated in
+    /// f32; `wildfire_backend::kernels::matmul`). Only with `compute = "fp32"`.
+    pub matmul: MatmulPrecision,
 }
 
 impl Default for PrecisionSection {
@@ -55,6 +59,7 @@ impl Default for PrecisionSection {
             compute: Precision::Fp32,
             initial_loss_scale: scaler.scale(),
             loss_scale_window: scaler.growth_interval(),
+            matmul: MatmulPrecision::Off,
         }
     }
 }
@@ -71,6 +76,20 @@ impl PrecisionSection {
                 )
             })?;
         Ok(self.compute.scales_loss().then_some(scaler))
+    }
+
+    /// The matmul precision policy rounds fp32 inputs; a half-precision run's matmuls already
+    /// take half-precision inputs.
+    fn check_matmul(&self) -> anyhow::Result<()> {
+        if self.matmul != MatmulPrecision::Off && self.compute != Precision::Fp32 {
+            bail!(
+                "precision.matmul = \"{}\" rounds fp32 matmul inputs, but precision.compute = \
+                 \"{}\" already computes in half precision: use one or the other",
+                self.matmul,
+                self.compute
+            );
+        }
+        Ok(())
     }
 }
 
@@ -405,6 +424,7 @@ impl RunConfig {
         }
         self.parallel.bucket_bytes()?;
         self.precision.scaler()?;
+        self.precision.check_matmul()?;
         Ok(())
     }
 }

@@ -110,6 +110,30 @@ fn half_precision_trains_like_fp32() {
     }
 }
 
+/// The matmul precision policy (`--matmul-precision`) in an fp32 run: every matmul, forward
+/// and backward, rounds its inputs to bf16 or f16 and accumulates in f32; everything else stays
+/// fp32. Bounds as for `--precision` above (step 0: the compute type's unit roundoff; every step
+/// of 10: 1e-2), and the losses must differ from fp32's (the policy ran).
+#[test]
+fn matmul_precision_trains_like_fp32() {
+    let expected = series(&train("matmul-precision-off", &[]), "train", "loss");
+    for (policy, first_step) in [("bf16", 2f64.powi(-8)), ("f16", 2f64.powi(-11))] {
+        let dir = train(
+            &format!("matmul-precision-{policy}"),
+            &["--matmul-precision", policy],
+        );
+        let losses = series(&dir, "train", "loss");
+        let first = (expected[0] - losses[0]).abs() / expected[0];
+        println!("matmul {policy}: relative loss difference to fp32 at step 0 {first:e}");
+        assert!(first <= first_step, "{policy}: step 0 differs by {first:e}");
+        assert_close_losses(&expected, &losses, 1e-2, policy);
+        assert_ne!(
+            expected, losses,
+            "{policy}: the policy did not change the matmuls"
+        );
+    }
+}
+
 /// With dropout the masks are drawn in fp32 and cast to the compute type, so bf16 draws the fp32
 /// run's masks and trains like it (the 10-step bound above; measured worst 5.5e-3).
 #[test]
@@ -293,6 +317,15 @@ fn bad_precision_settings_are_refused() {
                     "precision.loss_scale_window=0",
                 ],
                 "growth interval must be at least 1",
+            ),
+            (
+                &["--matmul-precision", "fp8"],
+                "unknown matmul precision \"fp8\" (expected off, bf16 or f16)",
+            ),
+            (
+                &["--precision", "bf16", "--matmul-precision", "bf16"],
+                "precision.matmul = \"bf16\" rounds fp32 matmul inputs, but \
+                 precision.compute = \"bf16\" already computes in half precision",
             ),
         ],
     );

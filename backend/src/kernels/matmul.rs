@@ -28,7 +28,8 @@ use super::route::on_cube;
 pub use cube::kernel;
 
 /// Which type the float matmuls of `Parallel<B>` compute in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum MatmulPrecision {
     /// The backend's own matmul, in the inputs' type.
     #[default]

@@ -15,6 +15,7 @@ use burn::module::Module;
 use wildfire_backend::comm::{
     CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges,
 };
+use wildfire_backend::kernels::matmul::set_matmul_precision;
 use wildfire_parallel::dp::{self, FlatLayout};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage};
 use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
@@ -306,6 +307,8 @@ fn run_rank<B: TrainBackend>(
     // Every rank has checked the run directory before rank 0 writes into it.
     world.barrier()?;
 
+    // Process-wide: ranks that are threads of this process set the same value.
+    set_matmul_precision(config.precision.matmul);
     let tp_plan = TpPlan::new(TP_PLAN, tensor.rank(), tensor.size());
     let device = B::Device::default();
     let (layout, mut model) = {

@@ -1,0 +1,363 @@
+//! `kernels`: wildfire's CubeCL kernels against Burn's own ops on the same device, in one run,
+//! alternating in rounds so both sides see the same machine noise.
+//!
+//! - **attention**, forward and forward+backward: `fused_attention` on `Parallel<B>` and
+//!   `Autodiff<Parallel<B>>` (the FlashAttention-2 kernels; they are opted in here) against
+//!   Burn's `attention` on `B` and `Autodiff<B>` (on wgpu and CUDA without Burn's `autotune`
+//!   feature that is its decomposed fallback). FLOPs counted as FlashAttention-2 does: the
+//!   forward's two matmuls are `4·b·h·s²·d` (half that under the causal mask), the backward's
+//!   five are 2.5× the forward's.
+//! - **matmul**: the mixed-precision kernel (inputs in the compute type, f32 accumulation,
+//!   output in the compute type) against Burn's matmul in the same type, `2·m·n·k` FLOPs; and
+//!   the kernel's bias + GELU epilogue against Burn's matmul followed by the same two ops.
+//!
+//! With `--targets` it checks the GPU targets (attention forward+backward ≥ 400 TFLOP/s; matmul
+//! ≥ 70% of `--peak-tflops`) and exits non-zero on a miss.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorPrimitive};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use wildfire_backend::Parallel;
+use wildfire_backend::kernels::attention::fused_attention;
+use wildfire_backend::kernels::gelu_tanh_f32;
+use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
+use wildfire_backend::kernels::route::{cube_runtime, set_kernels_enabled};
+
+use crate::median;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Device {
+    /// wgpu's default adapter (Mesa's lavapipe on CPU-only machines).
+    Wgpu,
+    /// The first CUDA GPU (needs `--features cuda`).
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Precision {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<Precision> for FloatDType {
+    fn from(precision: Precision) -> Self {
+        match precision {
+            Precision::F32 => FloatDType::F32,
+            Precision::F16 => FloatDType::F16,
+            Precision::Bf16 => FloatDType::BF16,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct KernelArgs {
+    #[arg(long, value_enum, default_value = "wgpu")]
+    device: Device,
+    /// The type of the inputs (computed in f32 by the kernels).
+    #[arg(long, value_enum, default_value = "f16")]
+    dtype: Precision,
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// m = n = k of the matmul.
+    #[arg(long, default_value_t = 256)]
+    matmul_size: usize,
+    /// Alternating rounds (ours, Burn's) per measurement.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Check the GPU targets and fail on a miss.
+    #[arg(long)]
+    targets: bool,
+    /// The device's dense peak in `--dtype`, TFLOP/s (H100/H200 SXM bf16: 989), for the
+    /// matmul target.
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Print one JSON object per line instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Record {
+    op: String,
+    shape: String,
+    dtype: String,
+    ours_ms: f64,
+    burn_ms: f64,
+    ours_tflops: f64,
+    burn_tflops: f64,
+    /// burn_ms / ours_ms: above 1, ours is faster.
+    speedup: f64,
+}
+
+pub fn run(args: KernelArgs) -> anyhow::Result<()> {
+    set_kernels_enabled(true);
+    match args.device {
+        Device::Wgpu => bench::<burn::backend::Wgpu>(&args, &Default::default()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => bench::<burn::backend::Cuda>(&args, &Default::default()),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => bail!("--device cuda needs a build with `--features cuda`"),
+    }
+}
+
+fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()> {
+    let runtime = cube_runtime::<B::FloatTensorPrimitive>()
+        .context("the kernels run on CubeCL backends only")?;
+    let dtype = FloatDType::from(args.dtype);
+    if !B::supports_dtype(device, DType::from(dtype)) {
+        bail!("{runtime} device {device:?} has no {dtype:?} arithmetic");
+    }
+    let mut records = Vec::new();
+    for causal in [true, false] {
+        records.extend(attention_records::<B>(args, device, dtype, causal));
+    }
+    records.extend(matmul_records::<B>(args, device, dtype));
+    report(&records, args.json)?;
+    if args.targets {
+        check_targets(&records, args.peak_tflops)?;
+    }
+    Ok(())
+}
+
+/// The median seconds of `op` over `rounds`, alternating with `other` (whose times are
+/// returned second); each call ends with the device synchronised.
+fn alternate<B: Backend>(
+    device: &B::Device,
+    rounds: usize,
+    mut op: impl FnMut(),
+    mut other: impl FnMut(),
+) -> (f64, f64) {
+    let time = |f: &mut dyn FnMut()| {
+        let start = Instant::now();
+        f();
+        B::sync(device).expect("device sync");
+        start.elapsed().as_secs_f64()
+    };
+    // One warm-up each: kernel compilation and allocation.
+    time(&mut op);
+    time(&mut other);
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        if round % 2 == 0 {
+            ours.push(time(&mut op));
+            theirs.push(time(&mut other));
+        } else {
+            theirs.push(time(&mut other));
+            ours.push(time(&mut op));
+        }
+    }
+    (median(&mut ours), median(&mut theirs))
+}
+
+fn record(op: &str, shape: String, dtype: FloatDType, flops: f64, times: (f64, f64)) -> Record {
+    let (ours, burn) = times;
+    Record {
+        op: op.to_string(),
+        shape,
+        dtype: format!("{dtype:?}"),
+        ours_ms: ours * 1e3,
+        burn_ms: burn * 1e3,
+        ours_tflops: flops / ours / 1e12,
+        burn_tflops: flops / burn / 1e12,
+        speedup: burn / ours,
+    }
+}
+
+fn attention_records<B: Backend>(
+    args: &KernelArgs,
+    device: &B::Device,
+    dtype: FloatDType,
+    causal: bool,
+) -> Vec<Record> {
+    let shape = [args.batch, args.heads, args.seq, args.head_dim];
+    let draw = || Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    let [q, k, v, output_grad] = [draw(), draw(), draw(), draw()];
+    let options = AttentionModuleOptions {
+        is_causal: causal,
+        ..Default::default()
+    };
+    let mask = if causal { 0.5 } else { 1.0 };
+    let forward_flops =
+        mask * 4.0 * (args.batch * args.heads * args.head_dim) as f64 * (args.seq as f64).powi(2);
+    let label = format!("{shape:?} causal {causal}");
+
+    let decorated = |t: &Tensor<B, 4>| {
+        Tensor::<Parallel<B>, 4>::from_primitive(TensorPrimitive::Float(
+            t.clone().into_primitive().tensor(),
+        ))
+    };
+    let forward = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let _ = fused_attention(decorated(&q), decorated(&k), decorated(&v), causal);
+        },
+        || {
+            let _ = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+        },
+    );
+
+    let ours_leaf = |t: &Tensor<B, 4>| {
+        Tensor::<Autodiff<Parallel<B>>, 4>::from_inner(decorated(t)).require_grad()
+    };
+    let burn_leaf =
+        |t: &Tensor<B, 4>| Tensor::<Autodiff<B>, 4>::from_inner(t.clone()).require_grad();
+    let training = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let out = fused_attention(ours_leaf(&q), ours_leaf(&k), ours_leaf(&v), causal);
+            let _ = (out * Tensor::from_inner(decorated(&output_grad)))
+                .sum()
+                .backward();
+        },
+        || {
+            let out = attention(
+                burn_leaf(&q),
+                burn_leaf(&k),
+                burn_leaf(&v),
+                None,
+                None,
+                options,
+            );
+            let _ = (out * Tensor::from_inner(output_grad.clone()))
+                .sum()
+                .backward();
+        },
+    );
+    vec![
+        record(
+            "attention fwd",
+            label.clone(),
+            dtype,
+            forward_flops,
+            forward,
+        ),
+        record(
+            "attention fwd+bwd",
+            label,
+            dtype,
+            3.5 * forward_flops,
+            training,
+        ),
+    ]
+}
+
+fn matmul_records<B: Backend>(
+    args: &KernelArgs,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Vec<Record> {
+    let size = args.matmul_size;
+    let draw = |shape: [usize; 3]| {
+        Tensor::<B, 3>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+    };
+    let (lhs, rhs) = (draw([1, size, size]), draw([1, size, size]));
+    let bias = Tensor::<B, 1>::random([size], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    let flops = 2.0 * (size as f64).powi(3);
+    let label = format!("{size}³");
+    let plain = MixedMatmul {
+        compute: dtype,
+        output: dtype,
+        gelu: false,
+    };
+    let matmul = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let _ = mixed_matmul(lhs.clone(), rhs.clone(), None, plain);
+        },
+        || {
+            let _ = lhs.clone().matmul(rhs.clone());
+        },
+    );
+    let epilogue = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let spec = MixedMatmul {
+                gelu: true,
+                ..plain
+            };
+            let _ = mixed_matmul(lhs.clone(), rhs.clone(), Some(bias.clone()), spec);
+        },
+        || {
+            let biased = lhs.clone().matmul(rhs.clone()) + bias.clone().unsqueeze();
+            let _ = gelu_tanh_f32(biased.cast(FloatDType::F32)).cast(dtype);
+        },
+    );
+    vec![
+        record("matmul", label.clone(), dtype, flops, matmul),
+        record("matmul+bias+gelu", label, dtype, flops, epilogue),
+    ]
+}
+
+fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
+    if json {
+        for record in records {
+            println!("{}", serde_json::to_string(record)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "{:<18} {:<30} {:>5} {:>10} {:>10} {:>9} {:>9} {:>8}",
+        "op", "shape", "dtype", "ours ms", "burn ms", "ours TF/s", "burn TF/s", "speedup"
+    );
+    for r in records {
+        println!(
+            "{:<18} {:<30} {:>5} {:>10.3} {:>10.3} {:>9.4} {:>9.4} {:>8.2}",
+            r.op, r.shape, r.dtype, r.ours_ms, r.burn_ms, r.ours_tflops, r.burn_tflops, r.speedup
+        );
+    }
+    Ok(())
+}
+
+/// The GPU targets: attention forward+backward ≥ 400 TFLOP/s (causal, as trained), and
+/// the matmul ≥ 70% of the dense peak.
+fn check_targets(records: &[Record], peak_tflops: Option<f64>) -> anyhow::Result<()> {
+    let peak = peak_tflops.context("--targets needs --peak-tflops for the matmul target")?;
+    let find = |op: &str, causal: &str| {
+        records
+            .iter()
+            .find(|r| r.op == op && r.shape.contains(causal))
+            .expect("measured above")
+    };
+    let mut misses = Vec::new();
+    let attention = find("attention fwd+bwd", "causal true");
+    if attention.ours_tflops < 400.0 {
+        misses.push(format!(
+            "attention fwd+bwd {:.1} TFLOP/s < 400",
+            attention.ours_tflops
+        ));
+    }
+    let matmul = find("matmul", "");
+    if matmul.ours_tflops < 0.7 * peak {
+        misses.push(format!(
+            "matmul {:.1} TFLOP/s < 70% of {peak} ({:.1})",
+            matmul.ours_tflops,
+            0.7 * peak
+        ));
+    }
+    for miss in &misses {
+        println!("TARGET MISSED: {miss}");
+    }
+    if !misses.is_empty() {
+        bail!("{} of 2 kernel targets missed", misses.len());
+    }
+    println!("kernel targets met");
+    Ok(())
+}
