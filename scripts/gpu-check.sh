@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU validation: builds with `--features cuda` and runs the decorator and collective checks on
-# NVIDIA GPUs, at world size 1 and at as many GPUs as are present. Prints a summary that says
-# plainly what ran, what passed and what was skipped.
+# NVIDIA GPUs, at world size 1 and at as many GPUs as are present, then the CubeCL kernels on
+# CUDA against Burn's own ops and the issue's targets (attention forward+backward >= 400 TFLOP/s
+# in bf16 at head dim 128 and length 4096; mixed-precision matmul >= 70% of the dense bf16 peak
+# at 8192^3, the peak from WILDFIRE_PEAK_BF16_TFLOPS, default 989 for H100/H200 SXM). Prints a
+# summary that says plainly what ran, what passed and what was skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +24,7 @@ fi
 gpus=$(nvidia-smi -L | grep -c '^GPU ')
 echo "gpu-check: $gpus GPU(s):"; nvidia-smi -L
 
-run "build (--features cuda)" cargo build --release --features cuda -p wildfire-recipes -p wildfire-tests --tests
+run "build (--features cuda)" cargo build --release --features cuda -p wildfire-recipes -p wildfire-tests -p wildfire-benches --tests --bins
 bin=target/release/wildfire
 
 # The tests print "skipped: ..." when CUDA cannot be used; surface that in the summary.
@@ -40,6 +43,14 @@ fi
 if [ "$gpus" -lt 2 ]; then
     note "SKIP  NCCL between ranks: needs 2+ GPUs; only the one-rank NCCL probe ran"
 fi
+
+# The kernels on CUDA: their output against Burn's (the bench's `difference`, checked within a few
+# units of bf16 roundoff) and the throughput targets. The kernels are not yet tuned for GPUs
+# (no shared-memory tiles, no tensor cores), so the throughput targets are expected to miss.
+run "CubeCL kernels on CUDA, bf16: agreement with Burn and throughput targets" \
+    target/release/wildfire-benches kernels --device cuda --dtype bf16 --batch 4 --heads 16 \
+    --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 5 --targets \
+    --peak-tflops "${WILDFIRE_PEAK_BF16_TFLOPS:-989}"
 
 echo
 echo "gpu-check summary:"

@@ -3,11 +3,11 @@
 //! f32, from the same (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is
 //! 32 rows), head dims 32, 64 and 128.
 //!
-//! **Open:** at head dim 128 and length 257 the gradients are wrong on lavapipe (relative
-//! errors 1e-2 causal, 0.3–0.6 not), though the forward is right (2.4e-7); at length 600 the
-//! forward is wrong too. The cause is not found (see `kernels::flash`). That case is the ignored
-//! test `head_dim_128_length_257`; the kernels stay opt-in (`WILDFIRE_KERNELS=cubecl`) until it
-//! passes.
+//! Lavapipe ends an invocation's loops after 65535 iterations in all (see
+//! `kernels::route::LOOP_ITERATION_CAP`); before the kernels unrolled their dot products, head
+//! dim 128 at length 257 passed it and gave wrong gradients. That case is tested here, and
+//! length 600 (past it before, for the forward too) in its own test, as is the kernels'
+//! declining a shape still past it on wgpu.
 //!
 //! Tolerances, on `max |kernel − reference| / max |reference|` per tensor:
 //! - **f32**: 1e-5. Both compute in f32; they differ only in summation order.
@@ -158,20 +158,20 @@ fn check(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
     );
 }
 
-/// The cases that pass: every length at head dims 32 and 64, all but 257 at 128.
+/// Every length at head dims 32, 64 and 128.
 const CASES: [(usize, &[usize]); 3] = [
     (32, &[1, 17, 128, 257]),
     (64, &[1, 17, 128, 257]),
-    (128, &[1, 17, 128]),
+    (128, &[1, 17, 128, 257]),
 ];
 
 #[test]
-fn wgpu_tensors_route_to_the_cubecl_kernels_when_opted_in() {
+fn wgpu_tensors_route_to_the_cubecl_kernels_unless_opted_out() {
     assert_eq!(cube_runtime::<FloatTensor<Parallel<Wgpu>>>(), Some("wgpu"));
     assert_eq!(cube_runtime::<FloatTensor<Parallel<Flex>>>(), None);
     assert_eq!(
         kernels_enabled(),
-        std::env::var("WILDFIRE_KERNELS").is_ok_and(|v| v == "cubecl")
+        std::env::var("WILDFIRE_KERNELS").map_or(true, |v| v == "cubecl")
     );
 }
 
@@ -190,9 +190,27 @@ fn bf16_kernels_match_decomposed_attention() {
     check(DType::BF16, 4.0 * 2f32.powi(-8), &CASES);
 }
 
-/// Fails today on lavapipe (see the module doc): `cargo test -- --ignored` runs it.
+/// Length 600 at head dim 128: past lavapipe's loop cap before the dot products were unrolled
+/// (the forward was wrong too); now well inside it.
 #[test]
-#[ignore = "open: wrong gradients on lavapipe at head dim 128, length 257"]
-fn head_dim_128_length_257() {
-    check(DType::F32, 1e-5, &[(128, &[257])]);
+fn head_dim_128_length_600() {
+    check(DType::F32, 1e-5, &[(128, &[600])]);
+}
+
+/// On wgpu the kernels decline a shape whose loops would pass lavapipe's cap (the reference
+/// runs instead), naming the shape.
+#[test]
+fn shapes_past_the_loop_cap_are_declined_on_wgpu() {
+    let Some(device) = wgpu_device() else { return };
+    let (seq, d_head) = (4500, 100);
+    let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
+        .into_primitive()
+        .tensor();
+    let reason = flash::unsupported(&[query.clone(), query.clone(), query]).expect("declined");
+    assert!(
+        reason.contains("length 4500")
+            && reason.contains("head dim 100")
+            && reason.contains("65535"),
+        "{reason}"
+    );
 }

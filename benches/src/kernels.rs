@@ -2,7 +2,7 @@
 //! alternating in rounds so both sides see the same machine noise.
 //!
 //! - **attention**, forward and forward+backward: `fused_attention` on `Parallel<B>` and
-//!   `Autodiff<Parallel<B>>` (the FlashAttention-2 kernels; they are opted in here) against
+//!   `Autodiff<Parallel<B>>` (the FlashAttention-2 kernels) against
 //!   Burn's `attention` on `B` and `Autodiff<B>` (on wgpu and CUDA without Burn's `autotune`
 //!   feature that is its decomposed fallback). FLOPs counted as FlashAttention-2 does: the
 //!   forward's two matmuls are `4·b·h·s²·d` (half that under the causal mask), the backward's
@@ -11,8 +11,10 @@
 //!   output in the compute type) against Burn's matmul in the same type, `2·m·n·k` FLOPs; and
 //!   the kernel's bias + GELU epilogue against Burn's matmul followed by the same two ops.
 //!
-//! With `--targets` it checks the GPU targets (attention forward+backward ≥ 400 TFLOP/s; matmul
-//! ≥ 70% of `--peak-tflops`) and exits non-zero on a miss.
+//! The attention forward and the plain matmul are also compared with Burn's output (`difference`:
+//! max |ours − Burn's| / max |Burn's|). With `--targets` it checks the GPU targets (attention
+//! forward+backward ≥ 400 TFLOP/s; matmul ≥ 70% of `--peak-tflops`) and those differences
+//! (within [`difference_tolerance`]), and exits non-zero on a miss.
 
 use std::time::Instant;
 
@@ -21,7 +23,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, TensorPrimitive};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use wildfire_backend::Parallel;
@@ -101,6 +103,8 @@ struct Record {
     burn_tflops: f64,
     /// burn_ms / ours_ms: above 1, ours is faster.
     speedup: f64,
+    /// max |ours − Burn's| / max |Burn's| over the output, where the two compute the same.
+    difference: Option<f64>,
 }
 
 pub fn run(args: KernelArgs) -> anyhow::Result<()> {
@@ -128,7 +132,7 @@ fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()
     records.extend(matmul_records::<B>(args, device, dtype));
     report(&records, args.json)?;
     if args.targets {
-        check_targets(&records, args.peak_tflops)?;
+        check_targets(&records, dtype, args.peak_tflops)?;
     }
     Ok(())
 }
@@ -163,9 +167,24 @@ fn alternate<B: Backend>(
     (median(&mut ours), median(&mut theirs))
 }
 
+/// `max |ours − theirs| / max |theirs|`, computed in f32 on the device.
+fn relative_difference<B: Backend, const D: usize>(
+    ours: Tensor<B, D>,
+    theirs: Tensor<B, D>,
+) -> f64 {
+    let [ours, theirs] = [ours, theirs].map(|t| t.cast(FloatDType::F32));
+    let worst = (ours - theirs.clone())
+        .abs()
+        .max()
+        .into_scalar()
+        .elem::<f64>();
+    worst / theirs.abs().max().into_scalar().elem::<f64>()
+}
+
 fn record(op: &str, shape: String, dtype: FloatDType, flops: f64, times: (f64, f64)) -> Record {
     let (ours, burn) = times;
     Record {
+        difference: None,
         op: op.to_string(),
         shape,
         dtype: format!("{dtype:?}"),
@@ -239,14 +258,25 @@ fn attention_records<B: Backend>(
                 .backward();
         },
     );
+    let difference = relative_difference(
+        fused_attention(decorated(&q), decorated(&k), decorated(&v), causal),
+        Tensor::from_primitive(TensorPrimitive::Float(
+            attention(q.clone(), k.clone(), v.clone(), None, None, options)
+                .into_primitive()
+                .tensor(),
+        )),
+    );
     vec![
-        record(
-            "attention fwd",
-            label.clone(),
-            dtype,
-            forward_flops,
-            forward,
-        ),
+        Record {
+            difference: Some(difference),
+            ..record(
+                "attention fwd",
+                label.clone(),
+                dtype,
+                forward_flops,
+                forward,
+            )
+        },
         record(
             "attention fwd+bwd",
             label,
@@ -300,8 +330,15 @@ fn matmul_records<B: Backend>(
             let _ = gelu_tanh_f32(biased.cast(FloatDType::F32)).cast(dtype);
         },
     );
+    let difference = relative_difference(
+        mixed_matmul(lhs.clone(), rhs.clone(), None, plain),
+        lhs.clone().matmul(rhs.clone()),
+    );
     vec![
-        record("matmul", label.clone(), dtype, flops, matmul),
+        Record {
+            difference: Some(difference),
+            ..record("matmul", label.clone(), dtype, flops, matmul)
+        },
         record("matmul+bias+gelu", label, dtype, flops, epilogue),
     ]
 }
@@ -314,13 +351,29 @@ fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<18} {:<30} {:>5} {:>10} {:>10} {:>9} {:>9} {:>8}",
-        "op", "shape", "dtype", "ours ms", "burn ms", "ours TF/s", "burn TF/s", "speedup"
+        "{:<18} {:<30} {:>5} {:>10} {:>10} {:>9} {:>9} {:>8} {:>10}",
+        "op",
+        "shape",
+        "dtype",
+        "ours ms",
+        "burn ms",
+        "ours TF/s",
+        "burn TF/s",
+        "speedup",
+        "difference"
     );
     for r in records {
         println!(
-            "{:<18} {:<30} {:>5} {:>10.3} {:>10.3} {:>9.4} {:>9.4} {:>8.2}",
-            r.op, r.shape, r.dtype, r.ours_ms, r.burn_ms, r.ours_tflops, r.burn_tflops, r.speedup
+            "{:<18} {:<30} {:>5} {:>10.3} {:>10.3} {:>9.4} {:>9.4} {:>8.2} {:>10}",
+            r.op,
+            r.shape,
+            r.dtype,
+            r.ours_ms,
+            r.burn_ms,
+            r.ours_tflops,
+            r.burn_tflops,
+            r.speedup,
+            r.difference.map_or("-".to_string(), |d| format!("{d:.1e}"))
         );
     }
     Ok(())
@@ -328,7 +381,11 @@ fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
 
 /// The GPU targets: attention forward+backward ≥ 400 TFLOP/s (causal, as trained), and
 /// the matmul ≥ 70% of the dense peak.
-fn check_targets(records: &[Record], peak_tflops: Option<f64>) -> anyhow::Result<()> {
+fn check_targets(
+    records: &[Record],
+    dtype: FloatDType,
+    peak_tflops: Option<f64>,
+) -> anyhow::Result<()> {
     let peak = peak_tflops.context("--targets needs --peak-tflops for the matmul target")?;
     let find = |op: &str, causal: &str| {
         records
@@ -337,6 +394,15 @@ fn check_targets(records: &[Record], peak_tflops: Option<f64>) -> anyhow::Result
             .expect("measured above")
     };
     let mut misses = Vec::new();
+    let tolerance = difference_tolerance(dtype);
+    for r in records {
+        if let Some(difference) = r.difference.filter(|d| d.is_nan() || *d > tolerance) {
+            misses.push(format!(
+                "{} {}: differs from Burn's by {difference:.1e} > {tolerance:.0e}",
+                r.op, r.shape
+            ));
+        }
+    }
     let attention = find("attention fwd+bwd", "causal true");
     if attention.ours_tflops < 400.0 {
         misses.push(format!(
@@ -356,8 +422,18 @@ fn check_targets(records: &[Record], peak_tflops: Option<f64>) -> anyhow::Result
         println!("TARGET MISSED: {miss}");
     }
     if !misses.is_empty() {
-        bail!("{} of 2 kernel targets missed", misses.len());
+        bail!("{} kernel checks missed", misses.len());
     }
     println!("kernel targets met");
     Ok(())
+}
+
+/// How far ours may be from Burn's (relative to Burn's largest value): a few units of roundoff of
+/// `dtype`, whose rounding Burn's own attention and matmul apply to their intermediates too.
+fn difference_tolerance(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => 8.0 * 2f64.powi(-11),
+        FloatDType::BF16 => 8.0 * 2f64.powi(-8),
+        _ => 1e-5,
+    }
 }

@@ -14,7 +14,7 @@ use crate::kernels::matmul::{matmul_precision, policy_matmul};
 /// Float matmul under the process-wide [`MatmulPrecision`](crate::kernels::matmul::MatmulPrecision)
 /// policy: the inner backend's own when it is off; otherwise inputs rounded to bf16 or f16,
 /// products accumulated in f32, the result in `lhs`'s type (the mixed-precision kernel on
-/// CubeCL backends when opted in, its reference elsewhere). Under `Autodiff<Parallel<B>>` the
+/// CubeCL backends, its reference elsewhere). Under `Autodiff<Parallel<B>>` the
 /// backward's matmuls come here too.
 pub(super) fn float_matmul<B: Backend>(
     lhs: FloatTensor<Parallel<B>>,

@@ -265,7 +265,7 @@ impl CubeKernel<6, 3> for FlashBackward {
     }
 }
 
-/// The forward on backend `B`: the CubeCL kernel on CubeCL backends when opted in
+/// The forward on backend `B`: the CubeCL kernel on CubeCL backends (unless opted out)
 /// ([`super::route`]), the reference otherwise.
 fn forward_on<B: Backend>(
     query: FloatTensor<B>,
@@ -289,7 +289,7 @@ fn forward_on<B: Backend>(
 }
 
 /// The backward on backend `B` from `[query, key, value, output, logsumexp, output_grad]`:
-/// the CubeCL kernels on CubeCL backends when opted in, the reference otherwise.
+/// the CubeCL kernels on CubeCL backends (unless opted out), the reference otherwise.
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 6], causal: bool) -> AttentionGrads<B> {
     match on_cube(&FlashBackward { causal }, inputs) {
         Ok([query, key, value]) => AttentionGrads {

@@ -23,11 +23,12 @@
 //! Staging tiles in shared memory and tensor-core (`cmma`) inner products are what GPU
 //! throughput needs next.
 //!
-//! **Open (lavapipe):** with whole rows in per-unit arrays (up to 128 floats) results went wrong
-//! past a size (head dim 48 from about 700 rows, 128 from about 224); `CHUNK`-column units fixed
-//! the forward up to 257 × 128, but the gradients there are still wrong, and the forward at
-//! 600 × 128. Head dims up to 32 are right at every length tried (2000). The cause is not found;
-//! the kernels are opt-in until it is ([`super::route`]).
+//! **Lavapipe's loop cap.** Lavapipe stops an invocation's loops once they have run 65535
+//! iterations together ([`super::route::LOOP_ITERATION_CAP`]), silently. With a plain loop per
+//! dot product the backward passed that at head dim 128 and length 256 (2·128 iterations per
+//! query row), and gave wrong gradients. The dot products are unrolled by 32 now
+//! (`super::dot`), an invocation runs about `seq·(1 + 2·d/32)` iterations, and on wgpu the
+//! kernels decline the shapes still past the cap (length ≳ 7000 at head dim 128).
 //!
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -35,6 +36,9 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+
+use super::dot::{dot, dot_iterations};
+use super::route::{LOOP_ITERATION_CAP, loops_capped};
 
 /// A score below every real one: `e^(MASKED − m)` is 0 for any finite `m`.
 const MASKED: f32 = -1.0e30;
@@ -50,18 +54,15 @@ pub const MAX_HEAD_DIM: usize = 256;
 
 /// `Σₖ a[sa + k]·b[sb + k]` over `d` elements, in f32.
 #[cube]
-fn dot<F: Float>(a: &Tensor<F>, sa: usize, b: &Tensor<F>, sb: usize, d: usize) -> f32 {
-    let mut sum = 0.0f32;
-    for k in 0..d {
-        sum += f32::cast_from(a[sa + k]) * f32::cast_from(b[sb + k]);
-    }
-    sum
+fn row_dot<F: Float>(a: &Tensor<F>, sa: usize, b: &Tensor<F>, sb: usize, d: usize) -> f32 {
+    dot::<F>(a, sa, 1, b, sb, 1, d)
 }
 
 /// `CHUNK` zeros: one unit's share of a row.
 #[cube]
 fn zeros() -> Array<f32> {
     let mut out = Array::<f32>::new(CHUNK);
+    #[unroll]
     for c in 0..CHUNK {
         out[c] = 0.0;
     }
@@ -79,6 +80,7 @@ fn add_scaled<F: Float>(
     first: usize,
     d: usize,
 ) {
+    #[unroll]
     for c in 0..CHUNK {
         let column = min(first + c, d - 1);
         acc[c] += factor * f32::cast_from(src[start + column]);
@@ -95,6 +97,7 @@ fn store<F: Float>(
     first: usize,
     d: usize,
 ) {
+    #[unroll]
     for c in 0..CHUNK {
         if first + c < d {
             dst[start + first + c] = F::cast_from(acc[c] * factor);
@@ -165,7 +168,7 @@ fn flash_forward_kernel<F: Float>(
         let mut tile_max = f32::new(MASKED);
         for j in 0..tile {
             let key_start = (head * seq + min(first_key + j, seq - 1)) * d;
-            let score = dot::<F>(query, query_start, key, key_start, d) * scale;
+            let score = row_dot::<F>(query, query_start, key, key_start, d) * scale;
             let seen = visible(row, first_key + j, seq, causal);
             scores[j] = select(seen, score, f32::new(MASKED));
             tile_max = tile_max.max(scores[j]);
@@ -173,6 +176,7 @@ fn flash_forward_kernel<F: Float>(
         let new_max = running_max.max(tile_max);
         let correction = (running_max - new_max).exp();
         sum *= correction;
+        #[unroll]
         for c in 0..CHUNK {
             acc[c] *= correction;
         }
@@ -203,7 +207,7 @@ fn row_dot_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let row = min(ABSOLUTE_POS, rows - 1);
-    delta[row] = dot::<F>(output, row * d, output_grad, row * d, d);
+    delta[row] = row_dot::<F>(output, row * d, output_grad, row * d, d);
 }
 
 /// dK and dV: a cube owns `TILE` key rows of one head and walks the queries that see them.
@@ -241,9 +245,9 @@ fn flash_backward_kv_kernel<F: Float>(
         let index = head * seq + query_row;
         let start = index * d;
         let seen = visible(query_row, key_row, seq, causal);
-        let score = dot::<F>(key, key_start, query, start, d) * scale;
+        let score = row_dot::<F>(key, key_start, query, start, d) * scale;
         let p = select(seen, (score - logsumexp[index]).exp(), 0.0f32);
-        let ds = p * (dot::<F>(value, key_start, output_grad, start, d) - delta[index]) * scale;
+        let ds = p * (row_dot::<F>(value, key_start, output_grad, start, d) - delta[index]) * scale;
         add_scaled::<F>(&mut dv, p, output_grad, start, first_column, d);
         add_scaled::<F>(&mut dk, ds, query, start, first_column, d);
     }
@@ -282,9 +286,9 @@ fn flash_backward_q_kernel<F: Float>(
     for key_row in 0..end {
         let start = (head * seq + key_row) * d;
         let seen = visible(row, key_row, seq, causal);
-        let score = dot::<F>(query, query_start, key, start, d) * scale;
+        let score = row_dot::<F>(query, query_start, key, start, d) * scale;
         let p = select(seen, (score - row_lse).exp(), 0.0f32);
-        let ds = p * (dot::<F>(output_grad, query_start, value, start, d) - row_delta) * scale;
+        let ds = p * (row_dot::<F>(output_grad, query_start, value, start, d) - row_delta) * scale;
         add_scaled::<F>(&mut dq, ds, key, start, first_column, d);
     }
 
@@ -324,7 +328,21 @@ pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
     if !query.client.properties().supports_type(dtype) {
         return Some(format!("the device has no {dtype:?} arithmetic"));
     }
+    let seq = shape[2];
+    if loops_capped::<R>() && loop_iterations(seq, d) > LOOP_ITERATION_CAP {
+        return Some(format!(
+            "length {seq} at head dim {d} needs {} loop iterations per invocation, over the \
+             {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
+            loop_iterations(seq, d)
+        ));
+    }
     None
+}
+
+/// The loop iterations one invocation of the heaviest kernel runs (the backward's: per key or
+/// query row, one step and two dot products; the `CHUNK` loops are unrolled).
+fn loop_iterations(seq: usize, d: usize) -> usize {
+    seq * (1 + 2 * dot_iterations(d)) + seq.div_ceil(TILE)
 }
 
 /// The launch geometry shared by the kernels: a cube per `TILE` rows of a head, a unit per row

@@ -185,7 +185,8 @@ mod cube {
     use cubecl::prelude::*;
 
     use super::MixedMatmul;
-    use crate::kernels::route::CubeKernel;
+    use crate::kernels::dot::{dot, dot_iterations};
+    use crate::kernels::route::{CubeKernel, LOOP_ITERATION_CAP, loops_capped};
 
     /// `x` is finite and `e^x` does not overflow f32 below this; GELU's exponent is clamped to it.
     const GELU_EXPONENT_CLAMP: f32 = 80.0;
@@ -225,11 +226,7 @@ mod cube {
         let lhs_start = batch * lhs_batch_stride + min(row, rows - 1) * inner;
         let rhs_start = batch * rhs_batch_stride + min(column, columns - 1);
 
-        let mut sum = 0.0f32;
-        for l in 0..inner {
-            sum +=
-                f32::cast_from(lhs[lhs_start + l]) * f32::cast_from(rhs[rhs_start + l * columns]);
-        }
+        let mut sum = dot::<F>(lhs, lhs_start, 1, rhs, rhs_start, columns, inner);
         if has_bias {
             sum += bias[min(column, columns - 1)];
         }
@@ -353,6 +350,14 @@ mod cube {
                 rhs.meta.shape()
             ));
         };
+        if loops_capped::<R>() && dot_iterations(geometry.inner) > LOOP_ITERATION_CAP {
+            return Some(format!(
+                "inner dim {} needs {} loop iterations per invocation, over the \
+                 {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
+                geometry.inner,
+                dot_iterations(geometry.inner)
+            ));
+        }
         if let Some(bias) = bias {
             let shape = bias.meta.shape();
             if shape.num_dims() != 1 || shape[0] != geometry.columns {

@@ -5,9 +5,10 @@
 //! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
-//! - [`route`]: which of the two a call takes (the kernels on CubeCL backends, when opted in).
+//! - [`route`]: which of the two a call takes (the kernels on CubeCL backends, unless opted out).
 
 pub mod attention;
+mod dot;
 pub mod flash;
 pub mod matmul;
 pub mod route;

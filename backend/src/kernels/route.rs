@@ -4,10 +4,9 @@
 //! `Parallel<_>`), the reference in Burn tensor ops otherwise (Flex, or a kernel that declines
 //! its inputs). The choice is by type, so every rank of a job takes the same path.
 //!
-//! **The kernels are opt-in for now** (`WILDFIRE_KERNELS=cubecl`, or [`set_kernels_enabled`]). On lavapipe the attention
-//! kernels give wrong results for some larger shapes (gradients at head dim 128 and length 257;
-//! see `kernels::flash`), a cause not yet found, so they are not the default until that is
-//! resolved and they are checked on a GPU.
+//! **The kernels are the default** on CubeCL backends. `WILDFIRE_KERNELS=reference` (or
+//! [`set_kernels_enabled`]`(false)`) sends every call to the reference instead, e.g. to compare
+//! the two or to rule the kernels out.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -47,27 +46,33 @@ pub(crate) fn on_cube<P: 'static, const N: usize, const M: usize>(
     Err(inputs)
 }
 
-/// Whether the CubeCL kernels are opted in: by [`set_kernels_enabled`], or else by
-/// `WILDFIRE_KERNELS=cubecl` (read once per process: every attention and matmul call asks).
+/// Whether CubeCL backends run the kernels: as [`set_kernels_enabled`] last said, or else as
+/// `WILDFIRE_KERNELS` says: unset or `cubecl` yes, `reference` no (read once per process:
+/// every attention and matmul call asks).
+///
+/// # Panics
+/// On any other value of `WILDFIRE_KERNELS`, naming it.
 pub fn kernels_enabled() -> bool {
     match KERNELS.load(Ordering::Relaxed) {
         UNDECIDED => {
-            let from_env = std::env::var("WILDFIRE_KERNELS").is_ok_and(|value| value == "cubecl");
+            let from_env = match std::env::var("WILDFIRE_KERNELS").as_deref() {
+                Err(_) | Ok("cubecl") => ENABLED,
+                Ok("reference") => DISABLED,
+                Ok(other) => {
+                    panic!("WILDFIRE_KERNELS={other:?}: expected `cubecl` or `reference`")
+                }
+            };
             // A concurrent `set_kernels_enabled` wins over the environment.
-            let _ = KERNELS.compare_exchange(
-                UNDECIDED,
-                if from_env { ENABLED } else { DISABLED },
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            let _ =
+                KERNELS.compare_exchange(UNDECIDED, from_env, Ordering::Relaxed, Ordering::Relaxed);
             KERNELS.load(Ordering::Relaxed) == ENABLED
         }
         state => state == ENABLED,
     }
 }
 
-/// Opts in to (or out of) the CubeCL kernels for this process, whatever `WILDFIRE_KERNELS`
-/// says.
+/// Whether CubeCL backends run the kernels (`true`) or the reference, for this process,
+/// whatever `WILDFIRE_KERNELS` says.
 pub fn set_kernels_enabled(enabled: bool) {
     KERNELS.store(if enabled { ENABLED } else { DISABLED }, Ordering::Relaxed);
 }
@@ -90,6 +95,22 @@ fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
         Some(outputs) => Ok(outputs.map(same)),
         None => Err(tensors.map(same)),
     }
+}
+
+/// Lavapipe (Mesa's CPU Vulkan driver, through wgpu) ends every loop of a shader invocation
+/// once the invocation's loops together have run this many iterations (gallivm's
+/// `LP_MAX_TGSI_LOOP_ITERATIONS`, one counter shared by every loop), silently: the results are
+/// wrong, not an error. Kernels decline shapes that would pass it on wgpu.
+pub(crate) const LOOP_ITERATION_CAP: usize = 65_535;
+
+/// Whether runtime `R` may be lavapipe, whose loops are capped ([`LOOP_ITERATION_CAP`]): wgpu.
+/// (A GPU behind wgpu has no cap; it loses only the shapes past it, to the reference.)
+pub(crate) fn loops_capped<R: 'static>() -> bool {
+    #[cfg(feature = "wgpu")]
+    if TypeId::of::<R>() == TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
+        return true;
+    }
+    false
 }
 
 /// The CubeCL runtime whose kernels primitives of type `P` run, if any: `"wgpu"` or `"cuda"`.
