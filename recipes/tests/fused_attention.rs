@@ -1,33 +1,37 @@
-//! The GPT with fused attention (the reference FlashAttention-2 forward and its fused backward,
+//! The GPT with fused attention (FlashAttention-2's forward and its fused backward,
 //! `wildfire_backend::kernels::attention`) against the decomposed attention: one training
-//! step's loss and every parameter's gradient.
+//! step's loss and every parameter's gradient. On the CPU backend the fused path is the
+//! reference in Burn ops; on wgpu (lavapipe on CI) it is the CubeCL kernels.
 
-use burn::backend::Autodiff;
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
 use burn::module::Module;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Distribution, ElementConversion, Int, Tensor};
+use wildfire_backend::{DecoratedBackend, Parallel};
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::model::params::collect_params;
 use wildfire_recipes::model::{Gpt, Preset, StageSpec};
 
-type A = Autodiff<CpuBackend>;
-
 /// The loss of one batch and the gradient of every parameter (by name), with fused attention
 /// on or off, from the same initialisation and tokens.
-fn step(fused: bool) -> (f32, Vec<(String, Vec<f32>)>) {
+fn step<A: AutodiffBackend + DecoratedBackend>(
+    device: &A::Device,
+    fused: bool,
+) -> (f32, Vec<(String, Vec<f32>)>) {
     let config = Preset::Tiny.config(65);
-    let device = Default::default();
+    let device = device.clone();
     A::seed(&device, 7);
     let model =
         Gpt::<A>::new(&config, StageSpec::whole(&config), &device).with_fused_attention(fused);
     let tokens = Tensor::<A, 2, Int>::random([4, 128], Distribution::Uniform(0.0, 65.0), &device);
     let targets = Tensor::<A, 2, Int>::random([4, 128], Distribution::Uniform(0.0, 65.0), &device);
     let loss = model.loss_sum(model.forward(tokens), targets) / (4.0 * 128.0);
-    let value = loss.clone().into_scalar();
+    let value = loss.clone().into_scalar().elem::<f32>();
     let grads = loss.backward();
     let mut by_name = Vec::new();
     let params = collect_params(&model, 0);
-    let mut visitor = Grads {
+    let mut visitor = Grads::<A> {
         grads: &grads,
         found: Vec::new(),
     };
@@ -38,12 +42,12 @@ fn step(fused: bool) -> (f32, Vec<(String, Vec<f32>)>) {
     (value, by_name)
 }
 
-struct Grads<'a> {
-    grads: &'a <A as burn::tensor::backend::AutodiffBackend>::Gradients,
+struct Grads<'a, A: AutodiffBackend> {
+    grads: &'a A::Gradients,
     found: Vec<Vec<f32>>,
 }
 
-impl burn::module::ModuleVisitor<A> for Grads<'_> {
+impl<A: AutodiffBackend> burn::module::ModuleVisitor<A> for Grads<'_, A> {
     fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<A, D>>) {
         let grad = param
             .val()
@@ -59,8 +63,30 @@ impl burn::module::ModuleVisitor<A> for Grads<'_> {
 /// through four blocks.
 #[test]
 fn a_training_step_with_fused_attention_matches_the_decomposed_one() {
-    let (fused_loss, fused) = step(true);
-    let (loss, decomposed) = step(false);
+    compare_steps::<Autodiff<CpuBackend>>(&Default::default());
+}
+
+/// The same on `Autodiff<Parallel<Wgpu>>`, where the fused path is the CubeCL kernels. Without
+/// a wgpu adapter it reports itself skipped, unless `WILDFIRE_REQUIRE_WGPU=1` (CI).
+#[test]
+fn on_wgpu_the_kernels_train_like_the_decomposed_attention() {
+    let probe = std::panic::catch_unwind(|| {
+        let device = WgpuDevice::default();
+        <Wgpu as Backend>::supports_dtype(&device, DType::F32);
+        device
+    });
+    match probe {
+        Ok(device) => compare_steps::<Autodiff<Parallel<Wgpu>>>(&device),
+        Err(_) if std::env::var("WILDFIRE_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
+            panic!("WILDFIRE_REQUIRE_WGPU=1 but no wgpu adapter was found")
+        }
+        Err(_) => eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers)"),
+    }
+}
+
+fn compare_steps<A: AutodiffBackend + DecoratedBackend>(device: &A::Device) {
+    let (fused_loss, fused) = step::<A>(device, true);
+    let (loss, decomposed) = step::<A>(device, false);
     assert!(
         ((fused_loss - loss) / loss).abs() < 1e-6,
         "loss: fused {fused_loss}, decomposed {loss}"
