@@ -1,4 +1,4 @@
-//! The inner product both kernels are made of, unrolled for lavapipe's loop cap.
+//! The inner product the attention kernels are made of, unrolled for lavapipe's loop cap.
 
 use cubecl::prelude::*;
 

@@ -8,9 +8,9 @@
 //! `r` is the f32 summation's, and the one to the output type.
 //!
 //! Two implementations with one meaning:
-//! - **the kernel** (`mixed_matmul_kernel`, CubeCL, any runtime): a unit per output element. It
-//!   stages nothing in shared memory and uses no tensor cores; it is correct, not yet fast (see
-//!   docs/benchmarks/kernels.md);
+//! - **the kernel** (`mixed_matmul_kernel`, CubeCL, any runtime): a unit per 4×4 outputs, in
+//!   registers. It stages nothing in shared memory and uses no tensor cores; it is correct, not
+//!   yet fast (see docs/benchmarks/kernels.md);
 //! - **the reference** in Burn ops (Flex, or whatever the kernel declines): round to the compute
 //!   type, compute in f32 with the backend's own matmul, apply the epilogue in f32.
 //!
@@ -185,7 +185,6 @@ mod cube {
     use cubecl::prelude::*;
 
     use super::MixedMatmul;
-    use crate::kernels::dot::{dot, dot_iterations};
     use crate::kernels::route::{CubeKernel, LOOP_ITERATION_CAP, loops_capped};
 
     /// `x` is finite and `e^x` does not overflow f32 below this; GELU's exponent is clamped to it.
@@ -198,11 +197,18 @@ mod cube {
         x / (1.0f32 + min(exponent, f32::new(GELU_EXPONENT_CLAMP)).exp())
     }
 
-    /// Output rows (and columns) per cube.
+    /// Units per cube side.
     const BLOCK: usize = 16;
+    /// Output rows (and columns) a unit computes: `TILE × TILE` outputs, `BLOCK` apart.
+    const TILE: usize = 4;
+    /// Output rows (and columns) per cube.
+    const CUBE_SIDE: usize = BLOCK * TILE;
 
-    /// A unit per output element: `out[b, i, j] = g(Σₗ lhs[b, i, l]·rhs[b, l, j] + bias[j])` in f32.
-    /// A batch stride of 0 broadcasts that operand over the batch.
+    /// A unit computes the `TILE × TILE` outputs `out[b, y + BLOCK·i, x + BLOCK·j]` of its
+    /// cube's block, `g(Σₗ lhs[b, ·, l]·rhs[b, l, ·] + bias[·])` in f32, summed in order of `l`:
+    /// per `l`, `TILE` loads from each operand feed `TILE²` products. Neighbouring units take
+    /// neighbouring columns, so their loads from `rhs` and stores are contiguous. A batch
+    /// stride of 0 broadcasts that operand over the batch.
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
     fn mixed_matmul_kernel<F: Float, O: Float>(
@@ -220,21 +226,57 @@ mod cube {
         #[define(F, O)] _dtypes: [StorageType; 2],
     ) {
         let batch = CUBE_POS_Z as usize;
-        let row = CUBE_POS_Y as usize * BLOCK + UNIT_POS_Y as usize;
-        let column = CUBE_POS_X as usize * BLOCK + UNIT_POS_X as usize;
-        // Units past the edge compute the last row or column again and write nothing.
-        let lhs_start = batch * lhs_batch_stride + min(row, rows - 1) * inner;
-        let rhs_start = batch * rhs_batch_stride + min(column, columns - 1);
+        let first_row = CUBE_POS_Y as usize * CUBE_SIDE + UNIT_POS_Y as usize;
+        let first_column = CUBE_POS_X as usize * CUBE_SIDE + UNIT_POS_X as usize;
+        let lhs_start = batch * lhs_batch_stride;
+        let rhs_start = batch * rhs_batch_stride;
 
-        let mut sum = dot::<F>(lhs, lhs_start, 1, rhs, rhs_start, columns, inner);
-        if has_bias {
-            sum += bias[min(column, columns - 1)];
+        // Outputs past the edge read the last row or column again and are never written.
+        let mut lhs_rows = Array::<usize>::new(TILE);
+        let mut rhs_columns = Array::<usize>::new(TILE);
+        #[unroll]
+        for t in 0..TILE {
+            lhs_rows[t] = lhs_start + min(first_row + t * BLOCK, rows - 1) * inner;
+            rhs_columns[t] = rhs_start + min(first_column + t * BLOCK, columns - 1);
         }
-        if apply_gelu {
-            sum = gelu(sum);
+        let mut sums = Array::<f32>::new(TILE * TILE);
+        #[unroll]
+        for t in 0..TILE * TILE {
+            sums[t] = 0.0;
         }
-        if row < rows && column < columns {
-            out[(batch * rows + row) * columns + column] = O::cast_from(sum);
+        let mut a = Array::<f32>::new(TILE);
+        let mut b = Array::<f32>::new(TILE);
+        for l in 0..inner {
+            #[unroll]
+            for t in 0..TILE {
+                a[t] = f32::cast_from(lhs[lhs_rows[t] + l]);
+                b[t] = f32::cast_from(rhs[rhs_columns[t] + l * columns]);
+            }
+            #[unroll]
+            for i in 0..TILE {
+                #[unroll]
+                for j in 0..TILE {
+                    sums[i * TILE + j] += a[i] * b[j];
+                }
+            }
+        }
+
+        #[unroll]
+        for i in 0..TILE {
+            #[unroll]
+            for j in 0..TILE {
+                let (row, column) = (first_row + i * BLOCK, first_column + j * BLOCK);
+                let mut value = sums[i * TILE + j];
+                if has_bias {
+                    value += bias[min(column, columns - 1)];
+                }
+                if apply_gelu {
+                    value = gelu(value);
+                }
+                if row < rows && column < columns {
+                    out[(batch * rows + row) * columns + column] = O::cast_from(value);
+                }
+            }
         }
     }
 
@@ -278,8 +320,8 @@ mod cube {
             output_dtype,
         );
         let cubes = CubeCount::Static(
-            geometry.columns.div_ceil(BLOCK) as u32,
-            geometry.rows.div_ceil(BLOCK) as u32,
+            geometry.columns.div_ceil(CUBE_SIDE) as u32,
+            geometry.rows.div_ceil(CUBE_SIDE) as u32,
             geometry.batches as u32,
         );
         // SAFETY: the tensors are contiguous with the shapes `Geometry` read; reads are clamped to
@@ -350,12 +392,11 @@ mod cube {
                 rhs.meta.shape()
             ));
         };
-        if loops_capped::<R>() && dot_iterations(geometry.inner) > LOOP_ITERATION_CAP {
+        if loops_capped::<R>() && geometry.inner > LOOP_ITERATION_CAP {
             return Some(format!(
-                "inner dim {} needs {} loop iterations per invocation, over the \
+                "inner dim {} needs as many loop iterations per invocation, over the \
                  {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
-                geometry.inner,
-                dot_iterations(geometry.inner)
+                geometry.inner
             ));
         }
         if let Some(bias) = bias {
