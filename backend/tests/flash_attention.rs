@@ -30,25 +30,9 @@ use wildfire_backend::kernels::flash;
 use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled};
 
 mod common;
-use common::{has_dtype, wgpu_device};
+use common::{has_dtype, output_and_grads, relative_error, wgpu_device};
 
 type Reference = Autodiff<Flex>;
-
-/// `max |a − b| / max |b|`.
-fn relative_error(actual: TensorData, expected: TensorData) -> f32 {
-    let actual: Vec<f32> = actual.convert::<f32>().to_vec().unwrap();
-    let expected: Vec<f32> = expected.convert::<f32>().to_vec().unwrap();
-    let scale = expected
-        .iter()
-        .fold(0.0f32, |m, x| m.max(x.abs()))
-        .max(f32::MIN_POSITIVE);
-    let worst = actual
-        .iter()
-        .zip(&expected)
-        .map(|(a, e)| (a - e).abs())
-        .fold(0.0f32, f32::max);
-    worst / scale
-}
 
 /// One case: the relative errors of the output, dQ, dK and dV.
 fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: bool) -> [f32; 4] {
@@ -98,30 +82,9 @@ fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: 
         read(value_grad),
     ];
 
-    let reference_leaf = |data: &TensorData| {
-        Tensor::<Reference, 4>::from_data(
-            data.clone().convert_dtype(DType::F32),
-            &Default::default(),
-        )
-        .require_grad()
-    };
-    let (q, k, v) = (
-        reference_leaf(&data[0]),
-        reference_leaf(&data[1]),
-        reference_leaf(&data[2]),
-    );
-    let output = decomposed_attention(q.clone(), k.clone(), v.clone(), causal);
-    let output_grad = Tensor::<Reference, 4>::from_data(
-        data[3].clone().convert_dtype(DType::F32),
-        &Default::default(),
-    );
-    let grads = (output.clone() * output_grad).sum().backward();
-    let reference = [
-        output.into_data(),
-        q.grad(&grads).unwrap().into_data(),
-        k.grad(&grads).unwrap().into_data(),
-        v.grad(&grads).unwrap().into_data(),
-    ];
+    let reference = output_and_grads::<Reference>(&data, &Default::default(), |q, k, v| {
+        decomposed_attention(q, k, v, causal)
+    });
     let mut errors = [0.0; 4];
     for (error, (actual, expected)) in errors.iter_mut().zip(kernel.into_iter().zip(reference)) {
         *error = relative_error(actual, expected);

@@ -16,7 +16,7 @@ use wildfire_backend::kernels::matmul::{
 use wildfire_backend::kernels::route::set_kernels_enabled;
 
 mod common;
-use common::wgpu_device;
+use common::{output_and_grads, relative_error, wgpu_device};
 
 /// A `[rows, columns]` tensor of uniform values in [−2, 2) drawn on Flex.
 fn uniform(shape: [usize; 2], seed: u64) -> TensorData {
@@ -57,48 +57,20 @@ fn routed_attention_matches_decomposed(device: &WgpuDevice) {
         })
         .collect();
     for causal in [true, false] {
-        let [q, k, v] = [0, 1, 2]
-            .map(|i| Tensor::<Routed, 4>::from_data(data[i].clone(), device).require_grad());
-        let output = fused_attention(q.clone(), k.clone(), v.clone(), causal);
-        let output_grad = Tensor::<Routed, 4>::from_data(data[3].clone(), device);
-        let grads = (output.clone() * output_grad).sum().backward();
-        let routed = [
-            output.into_data(),
-            q.grad(&grads).unwrap().into_data(),
-            k.grad(&grads).unwrap().into_data(),
-            v.grad(&grads).unwrap().into_data(),
-        ];
-
-        let [q, k, v] = [0, 1, 2].map(|i| {
-            Tensor::<Reference, 4>::from_data(data[i].clone(), &Default::default()).require_grad()
+        let routed =
+            output_and_grads::<Routed>(&data, device, |q, k, v| fused_attention(q, k, v, causal));
+        let expected = output_and_grads::<Reference>(&data, &Default::default(), |q, k, v| {
+            decomposed_attention(q, k, v, causal)
         });
-        let output = decomposed_attention(q.clone(), k.clone(), v.clone(), causal);
-        let output_grad = Tensor::<Reference, 4>::from_data(data[3].clone(), &Default::default());
-        let grads = (output.clone() * output_grad).sum().backward();
-        let expected = [
-            output.into_data(),
-            q.grad(&grads).unwrap().into_data(),
-            k.grad(&grads).unwrap().into_data(),
-            v.grad(&grads).unwrap().into_data(),
-        ];
         for (name, (actual, expected)) in ["O", "dQ", "dK", "dV"]
             .iter()
             .zip(routed.into_iter().zip(expected))
         {
-            let (actual, expected) = (values(actual), values(expected));
-            let scale = expected.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let worst = actual
-                .iter()
-                .zip(&expected)
-                .map(|(a, e)| (a - e).abs())
-                .fold(0.0, f32::max);
-            println!(
-                "routed attention causal {causal}: {name} relative error {:.1e}",
-                worst / scale
-            );
+            let error = relative_error(actual, expected);
+            println!("routed attention causal {causal}: {name} relative error {error:.1e}");
             assert!(
-                worst <= 1e-5 * scale,
-                "{name} causal {causal}: {worst:e} of {scale:e}"
+                error <= 1e-5,
+                "{name} causal {causal}: relative error {error:e}"
             );
         }
     }
