@@ -71,8 +71,8 @@ pub fn kernels_enabled() -> bool {
     }
 }
 
-/// Whether CubeCL backends run the kernels (`true`) or the reference, for this process,
-/// whatever `WILDFIRE_KERNELS` says.
+/// Sets whether CubeCL backends run the kernels (`true`) or the reference (`false`) in this
+/// process, whatever `WILDFIRE_KERNELS` says.
 pub fn set_kernels_enabled(enabled: bool) {
     KERNELS.store(if enabled { ENABLED } else { DISABLED }, Ordering::Relaxed);
 }
