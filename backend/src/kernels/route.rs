@@ -126,3 +126,50 @@ pub fn cube_runtime<P: 'static>() -> Option<&'static str> {
     let _ = TypeId::of::<P>;
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    /// Runs test `name` of this binary alone in a child process with `WILDFIRE_KERNELS=value`
+    /// (the variable is read once per process, and setting it in a threaded test binary is
+    /// unsafe); its combined output, and whether it passed.
+    fn child(name: &str, value: &str) -> (bool, String) {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--include-ignored"])
+            .env("WILDFIRE_KERNELS", value)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        (
+            out.status.success() && text.contains("1 passed"),
+            text.into_owned(),
+        )
+    }
+
+    /// The child side: prints what the environment decided.
+    #[test]
+    #[ignore = "run by `the_environment_decides_and_a_bad_value_is_named` in a child process"]
+    fn report_kernels_enabled() {
+        println!("kernels enabled: {}", super::kernels_enabled());
+    }
+
+    #[test]
+    fn the_environment_decides_and_a_bad_value_is_named() {
+        let name = "kernels::route::tests::report_kernels_enabled";
+        for (value, enabled) in [("cubecl", true), ("reference", false)] {
+            let (passed, text) = child(name, value);
+            assert!(passed, "WILDFIRE_KERNELS={value}:\n{text}");
+            assert!(
+                text.contains(&format!("kernels enabled: {enabled}")),
+                "{text}"
+            );
+        }
+        let (passed, text) = child(name, "fast");
+        assert!(!passed, "WILDFIRE_KERNELS=fast was accepted:\n{text}");
+        assert!(
+            text.contains("WILDFIRE_KERNELS=\"fast\": expected `cubecl` or `reference`"),
+            "{text}"
+        );
+    }
+}
