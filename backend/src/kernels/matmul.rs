@@ -141,9 +141,9 @@ pub fn reference<B: Backend, const D: usize>(
     bias: Option<Tensor<B, 1>>,
     spec: MixedMatmul,
 ) -> Tensor<B, D> {
-    let round =
-        |t: Tensor<B, D>| super::in_dtype(super::in_dtype(t, spec.compute), FloatDType::F32);
-    let mut out = round(lhs).matmul(round(rhs));
+    let primitive = |t: Tensor<B, D>| t.into_primitive().tensor();
+    let product = rounded_product::<B>(primitive(lhs), primitive(rhs), spec.compute);
+    let mut out = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(product));
     if let Some(bias) = bias {
         out = out + super::in_dtype(bias, FloatDType::F32).unsqueeze();
     }
@@ -168,11 +168,19 @@ pub(crate) fn policy_matmul<B: Backend>(
     };
     match on_cube(&spec, [lhs, rhs]) {
         Ok([out]) => out,
-        Err([lhs, rhs]) => {
-            let round = |t| B::float_cast(B::float_cast(t, compute), FloatDType::F32);
-            B::float_cast(B::float_matmul(round(lhs), round(rhs)), output)
-        }
+        Err([lhs, rhs]) => B::float_cast(rounded_product::<B>(lhs, rhs, compute), output),
     }
+}
+
+/// `r(lhs)·r(rhs)` in f32 with the backend's own matmul, `r` the rounding to `compute`: the
+/// reference's product.
+fn rounded_product<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    compute: FloatDType,
+) -> FloatTensor<B> {
+    let round = |t| B::float_cast(B::float_cast(t, compute), FloatDType::F32);
+    B::float_matmul(round(lhs), round(rhs))
 }
 
 /// The CubeCL kernel and its launch.
@@ -290,11 +298,7 @@ mod cube {
         bias: Option<CubeTensor<R>>,
         spec: MixedMatmul,
     ) -> Result<CubeTensor<R>, String> {
-        if let Some(reason) = unsupported(&spec, &lhs, &rhs, bias.as_ref()) {
-            return Err(reason);
-        }
-        let geometry = Geometry::of(lhs.meta.shape(), rhs.meta.shape())
-            .expect("`unsupported` checked the shapes");
+        let geometry = checked_geometry(&spec, &lhs, &rhs, bias.as_ref())?;
         let compute = DType::from(spec.compute);
         let to = |t: CubeTensor<R>, dtype: DType| match t.dtype == dtype {
             true => into_contiguous(t),
@@ -363,13 +367,13 @@ mod cube {
             .ok()
     }
 
-    /// Why the kernel cannot take these inputs, or `None`.
-    fn unsupported<R: CubeRuntime>(
+    /// The kernel's view of the inputs, or why it cannot take them.
+    fn checked_geometry<R: CubeRuntime>(
         spec: &MixedMatmul,
         lhs: &CubeTensor<R>,
         rhs: &CubeTensor<R>,
         bias: Option<&CubeTensor<R>>,
-    ) -> Option<String> {
+    ) -> Result<Geometry, String> {
         let kernel_types = [DType::F32, DType::F16, DType::BF16];
         let properties = lhs.client.properties();
         for dtype in [
@@ -379,21 +383,21 @@ mod cube {
             spec.output.into(),
         ] {
             if !kernel_types.contains(&dtype) {
-                return Some(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
+                return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
             }
             if !properties.supports_type(dtype) {
-                return Some(format!("the device has no {dtype:?} arithmetic"));
+                return Err(format!("the device has no {dtype:?} arithmetic"));
             }
         }
         let Some(geometry) = Geometry::of(lhs.meta.shape(), rhs.meta.shape()) else {
-            return Some(format!(
+            return Err(format!(
                 "shapes {:?} × {:?} (batch dims equal or one side's all 1, m, k, n ≥ 1)",
                 lhs.meta.shape(),
                 rhs.meta.shape()
             ));
         };
         if loops_capped::<R>() && geometry.inner > LOOP_ITERATION_CAP {
-            return Some(format!(
+            return Err(format!(
                 "inner dim {} needs as many loop iterations per invocation, over the \
                  {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
                 geometry.inner
@@ -402,10 +406,10 @@ mod cube {
         if let Some(bias) = bias {
             let shape = bias.meta.shape();
             if shape.num_dims() != 1 || shape[0] != geometry.columns {
-                return Some(format!("bias {shape:?} for {} columns", geometry.columns));
+                return Err(format!("bias {shape:?} for {} columns", geometry.columns));
             }
         }
-        None
+        Ok(geometry)
     }
 
     /// The kernel's view of `[.., m, k] × [.., k, n]`.
