@@ -1,5 +1,5 @@
-//! The CubeCL FlashAttention-2 kernels (`kernels::flash`) on wgpu (Mesa's lavapipe on CI):
-//! forward and all three input gradients against decomposed attention with autodiff on Flex in
+//! The CubeCL FlashAttention-2 kernels (`kernels::flash`) on wgpu (Mesa's lavapipe on CI), and
+//! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three input gradients against decomposed attention with autodiff on Flex in
 //! f32, from the same (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is
 //! 32 rows), head dims 32, 64 and 128.
 //!
@@ -16,10 +16,10 @@
 //! - **bf16**: 4u = 1.6e-2 with u = 2^-8. Vulkan has no bf16 arithmetic, so on lavapipe this
 //!   case reports itself skipped; `scripts/gpu-check.sh` runs it on CUDA.
 //!
-//! Without a wgpu adapter the tests report themselves skipped, unless `WILDFIRE_REQUIRE_WGPU=1`
-//! (set by `.ci/run`) makes that a failure.
+//! Without a device a backend's cases report themselves skipped, unless `WILDFIRE_REQUIRE_WGPU=1`
+//! (set by `.ci/run`) or `WILDFIRE_REQUIRE_CUDA=1` (set by `scripts/gpu-check.sh`) makes that a
+//! failure.
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -30,12 +30,18 @@ use wildfire_backend::kernels::flash;
 use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled};
 
 mod common;
-use common::{has_dtype, output_and_grads, relative_error, wgpu_device};
+use common::{KernelBackend, has_dtype, output_and_grads, relative_error};
 
 type Reference = Autodiff<Flex>;
 
 /// One case: the relative errors of the output, dQ, dK and dV.
-fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: bool) -> [f32; 4] {
+fn errors<B: KernelBackend>(
+    device: &B::Device,
+    dtype: DType,
+    seq: usize,
+    d_head: usize,
+    causal: bool,
+) -> [f32; 4] {
     let shape = [1, 2, seq, d_head];
     let draw = |seed: u64| {
         Flex::seed(&Default::default(), seed);
@@ -49,13 +55,13 @@ fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: 
 
     // Built in f32 and cast: `from_data` gives the backend's default float type.
     let primitive = |data: &TensorData| {
-        Tensor::<Wgpu, 4>::from_data(data.clone(), device)
+        Tensor::<B, 4>::from_data(data.clone(), device)
             .cast(FloatDType::from(dtype))
             .into_primitive()
             .tensor()
     };
-    let read = |tensor: FloatTensor<Wgpu>| {
-        Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(tensor)).into_data()
+    let read = |tensor: FloatTensor<B>| {
+        Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor)).into_data()
     };
     let (output, logsumexp) = flash::forward(
         primitive(&data[0]),
@@ -92,10 +98,13 @@ fn errors(device: &WgpuDevice, dtype: DType, seq: usize, d_head: usize, causal: 
     errors
 }
 
-/// Every `(head dim, lengths)` and mask in `dtype`, each within `tolerance`.
-fn check(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
-    let Some(device) = wgpu_device() else { return };
-    if !has_dtype(&device, dtype) {
+/// Every `(head dim, lengths)` and mask in `dtype` on backend `B`, each within `tolerance`.
+fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    let backend = B::name(&device);
+    if !has_dtype::<B>(&device, dtype) {
         return;
     }
     let mut failures = Vec::new();
@@ -103,12 +112,13 @@ fn check(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
         for &seq in lengths {
             for causal in [true, false] {
                 let start = std::time::Instant::now();
-                let errors = errors(&device, dtype, seq, d_head, causal);
+                let errors = errors::<B>(&device, dtype, seq, d_head, causal);
                 let case = format!(
                     "d_head {d_head} seq {seq} causal {causal}: O, dQ, dK, dV {}",
                     errors.map(|error| format!("{error:.1e}")).join(" ")
                 );
-                println!("{dtype:?} {case} ({:.1} s)", start.elapsed().as_secs_f64());
+                let seconds = start.elapsed().as_secs_f64();
+                println!("{backend} {dtype:?} {case} ({seconds:.1} s)");
                 if !errors.iter().all(|error| *error <= tolerance) {
                     failures.push(case);
                 }
@@ -117,7 +127,7 @@ fn check(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
     }
     assert!(
         failures.is_empty(),
-        "{dtype:?} beyond {tolerance:e}: {failures:?}"
+        "{backend} {dtype:?} beyond {tolerance:e}: {failures:?}"
     );
 }
 
@@ -140,31 +150,33 @@ fn wgpu_tensors_route_to_the_cubecl_kernels_unless_opted_out() {
 
 #[test]
 fn f32_kernels_match_decomposed_attention() {
-    check(DType::F32, 1e-5, &CASES);
+    on_kernel_backends!(check(DType::F32, 1e-5, &CASES));
 }
 
 #[test]
 fn f16_kernels_match_decomposed_attention() {
-    check(DType::F16, 4.0 * 2f32.powi(-11), &CASES);
+    on_kernel_backends!(check(DType::F16, 4.0 * 2f32.powi(-11), &CASES));
 }
 
 #[test]
 fn bf16_kernels_match_decomposed_attention() {
-    check(DType::BF16, 4.0 * 2f32.powi(-8), &CASES);
+    on_kernel_backends!(check(DType::BF16, 4.0 * 2f32.powi(-8), &CASES));
 }
 
 /// Length 600 at head dim 128: past lavapipe's loop cap before the dot products were unrolled
 /// (the forward was wrong too); now well inside it.
 #[test]
 fn head_dim_128_length_600() {
-    check(DType::F32, 1e-5, &[(128, &[600])]);
+    on_kernel_backends!(check(DType::F32, 1e-5, &[(128, &[600])]));
 }
 
 /// On wgpu the kernels decline a shape whose loops would pass lavapipe's cap (the reference
 /// runs instead), naming the shape.
 #[test]
 fn shapes_past_the_loop_cap_are_declined_on_wgpu() {
-    let Some(device) = wgpu_device() else { return };
+    let Some(device) = Wgpu::test_device() else {
+        return;
+    };
     let (seq, d_head) = (4500, 100);
     let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
         .into_primitive()

@@ -1,18 +1,24 @@
 //! The mixed-precision matmul (`kernels::matmul`): its reference on Flex and its CubeCL kernel on
-//! wgpu (Mesa's lavapipe on CI), against an f64 computation from the same rounded inputs.
+//! wgpu (Mesa's lavapipe on CI), and on CUDA too in a `--features cuda` build
+//! (`scripts/gpu-check.sh`), against an f64 computation from the same rounded inputs.
 //!
 //! - **Random data** (uniform in [−2, 2)): `|out − exact| ≤ γ·Σₗ|aₗbₗ| + u_out·|exact|`, with
-//!   `γ = 1.01·k·2⁻²⁴` bounding f32 summation of `k` exact products (the inputs are rounded to
+//!   `γ = 1.01·k·2⁻²³` bounding f32 summation of `k` exact products (the inputs are rounded to
 //!   the compute type first, and a product of two such values is exact in f32) and `u_out` the
-//!   output type's unit roundoff (0 for f32). Under GELU (slope at most 1.13) the bound is
-//!   multiplied by 1.13 and 2⁻²⁰·(|x| + 1) added for evaluating it in f32. Skipping the rounding
-//!   to f16 would be off by about 2⁻¹¹·Σ|aₗbₗ|, over 10× this bound at k ≤ 128.
+//!   output type's unit roundoff (0 for f32). 2⁻²³ rather than round-to-nearest's 2⁻²⁴ admits
+//!   accumulators that truncate, as tensor cores' may. Under GELU (slope at most 1.13) the bound
+//!   is multiplied by 1.13 and 2⁻²⁰·(|x| + 1) added for evaluating it in f32. Skipping the
+//!   rounding to f16 would be off by about 2⁻¹¹·Σ|aₗbₗ|, over 10× this bound at k ≤ 128.
+//!   With f32 compute on CUDA the matmul may run on TF32 tensor cores (as Burn's own does),
+//!   whose input rounding (2⁻¹¹ each) adds `2⁻¹⁰·Σₗ|aₗbₗ|` there.
 //! - **Small integers** (entries in [−2, 2], bias in [−8, 8]): every product and partial sum is
 //!   an integer, exact in f32, and every result (checked to be at most 2⁸ in magnitude) is exact
 //!   in f16 and bf16 too, so the result must equal the f64 one bitwise, in f32 and in the
 //!   compute type.
 //!
 //! bf16 has no WGSL type, so on lavapipe the bf16 kernel cases report themselves skipped.
+//! Without a device a backend's cases report themselves skipped, unless `WILDFIRE_REQUIRE_WGPU=1`
+//! (`.ci/run`) or `WILDFIRE_REQUIRE_CUDA=1` (`scripts/gpu-check.sh`) makes that a failure.
 
 use burn::backend::{Flex, Wgpu};
 use burn::tensor::backend::Backend;
@@ -20,7 +26,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::kernels::matmul::{self, MixedMatmul, mixed_matmul};
 
 mod common;
-use common::{has_dtype, wgpu_device};
+use common::{KernelBackend, has_dtype};
 
 /// `[lhs batch, m, k] × [rhs batch, k, n]`; a batch of 1 broadcasts.
 #[derive(Clone, Copy, Debug)]
@@ -32,7 +38,8 @@ struct Case {
     n: usize,
 }
 
-/// The kernel's cube covers 64 × 64 outputs: the last case spans several, with partial edges.
+/// Odd sizes, batch broadcasting both ways, and one case past 64 rows and 128 columns, so that
+/// the matmul's tiles have partial edges.
 const CASES: [Case; 5] = [
     case(2, 2, 1, 1, 1),
     case(3, 3, 17, 33, 9),
@@ -169,11 +176,13 @@ impl Operands {
 type Matmul<B> = fn(Tensor<B, 3>, Tensor<B, 3>, Option<Tensor<B, 1>>, MixedMatmul) -> Tensor<B, 3>;
 
 /// Every case, epilogue and output type for `compute` on `data`; the failures, described.
+/// `f32_input_roundoff` is what the matmul may round f32 inputs to (TF32's 2⁻¹¹ on CUDA).
 fn failures<B: Backend>(
     device: &B::Device,
     matmul: Matmul<B>,
     compute: FloatDType,
     data: Data,
+    f32_input_roundoff: f64,
 ) -> Vec<String> {
     let mut failures = Vec::new();
     for (index, &case) in CASES.iter().enumerate() {
@@ -201,7 +210,17 @@ fn failures<B: Backend>(
                         "{case:?}: a sum past 2⁸"
                     );
                 }
-                let worst = worst_excess(&actual, &exact, &magnitude, case.k, spec, data);
+                let input_roundoff = match compute {
+                    FloatDType::F32 => f32_input_roundoff,
+                    _ => 0.0,
+                };
+                let bound = Bound {
+                    k: case.k,
+                    spec,
+                    data,
+                    input_roundoff,
+                };
+                let worst = bound.worst_excess(&actual, &exact, &magnitude);
                 if worst > 0.0 {
                     failures.push(format!(
                         "{case:?} {spec:?} bias {with_bias}: beyond the bound by {worst:e}"
@@ -213,33 +232,40 @@ fn failures<B: Backend>(
     failures
 }
 
-/// The largest amount by which an element misses its bound (0 when none does).
-fn worst_excess(
-    actual: &[f64],
-    exact: &[f64],
-    magnitude: &[f64],
+/// What an element's error may be (see the module doc).
+struct Bound {
     k: usize,
     spec: MixedMatmul,
     data: Data,
-) -> f64 {
-    assert_eq!(actual.len(), exact.len());
-    let gamma = 1.01 * k as f64 * 2f64.powi(-24);
-    let output_rounding = unit_roundoff(spec.output);
-    let bound = |exact: f64, magnitude: f64| match data {
-        Data::SmallIntegers => 0.0,
-        Data::Random if spec.gelu => {
-            1.13 * gamma * magnitude
-                + 2f64.powi(-20) * (exact.abs() + 1.0)
-                + output_rounding * exact.abs()
+    /// The unit roundoff of a rounding the matmul applies to its inputs (0 for none).
+    input_roundoff: f64,
+}
+
+impl Bound {
+    /// The bound on `|actual − exact|` for an element with `Σₗ|aₗbₗ| = magnitude`.
+    fn of(&self, exact: f64, magnitude: f64) -> f64 {
+        let product =
+            (1.01 * self.k as f64 * 2f64.powi(-23) + 2.0 * self.input_roundoff) * magnitude;
+        let output_rounding = unit_roundoff(self.spec.output) * exact.abs();
+        match self.data {
+            Data::SmallIntegers => 0.0,
+            Data::Random if self.spec.gelu => {
+                1.13 * product + 2f64.powi(-20) * (exact.abs() + 1.0) + output_rounding
+            }
+            Data::Random => product + output_rounding,
         }
-        Data::Random => gamma * magnitude + output_rounding * exact.abs(),
-    };
-    actual
-        .iter()
-        .zip(exact)
-        .zip(magnitude)
-        .map(|((a, e), m)| (a - e).abs() - bound(*e, *m))
-        .fold(0.0, f64::max)
+    }
+
+    /// The largest amount by which an element misses its bound (0 when none does).
+    fn worst_excess(&self, actual: &[f64], exact: &[f64], magnitude: &[f64]) -> f64 {
+        assert_eq!(actual.len(), exact.len());
+        actual
+            .iter()
+            .zip(exact)
+            .zip(magnitude)
+            .map(|((a, e), m)| (a - e).abs() - self.of(*e, *m))
+            .fold(0.0, f64::max)
+    }
 }
 
 fn on_flex(
@@ -253,12 +279,12 @@ fn on_flex(
 
 /// The kernel itself, not the router (which would fall back to the reference if the kernel
 /// declined).
-fn kernel_on_wgpu(
-    lhs: Tensor<Wgpu, 3>,
-    rhs: Tensor<Wgpu, 3>,
-    bias: Option<Tensor<Wgpu, 1>>,
+fn kernel_only<B: KernelBackend>(
+    lhs: Tensor<B, 3>,
+    rhs: Tensor<B, 3>,
+    bias: Option<Tensor<B, 1>>,
     spec: MixedMatmul,
-) -> Tensor<Wgpu, 3> {
+) -> Tensor<B, 3> {
     let out = matmul::kernel(
         lhs.into_primitive().tensor(),
         rhs.into_primitive().tensor(),
@@ -270,17 +296,25 @@ fn kernel_on_wgpu(
 }
 
 fn check_flex(compute: FloatDType, data: Data) {
-    let failures = failures::<Flex>(&Default::default(), on_flex, compute, data);
+    let failures = failures::<Flex>(&Default::default(), on_flex, compute, data, 0.0);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-fn check_wgpu(compute: FloatDType, data: Data) {
-    let Some(device) = wgpu_device() else { return };
-    if !has_dtype(&device, compute.into()) {
+fn check_kernel<B: KernelBackend>(compute: FloatDType, data: Data) {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    if !has_dtype::<B>(&device, compute.into()) {
         return;
     }
-    let failures = failures::<Wgpu>(&device, kernel_on_wgpu, compute, data);
-    assert!(failures.is_empty(), "{failures:#?}");
+    let failures = failures::<B>(
+        &device,
+        kernel_only::<B>,
+        compute,
+        data,
+        B::F32_MATMUL_INPUT_ROUNDOFF,
+    );
+    assert!(failures.is_empty(), "{}: {failures:#?}", B::name(&device));
 }
 
 #[test]
@@ -299,30 +333,32 @@ fn reference_is_exact_on_small_integers() {
 
 #[test]
 fn f16_kernel_matches_f64_on_random_data() {
-    check_wgpu(FloatDType::F16, Data::Random);
+    on_kernel_backends!(check_kernel(FloatDType::F16, Data::Random));
 }
 
 #[test]
 fn f16_kernel_is_exact_on_small_integers() {
-    check_wgpu(FloatDType::F16, Data::SmallIntegers);
+    on_kernel_backends!(check_kernel(FloatDType::F16, Data::SmallIntegers));
 }
 
 #[test]
 fn f32_kernel_matches_f64_on_random_data() {
-    check_wgpu(FloatDType::F32, Data::Random);
+    on_kernel_backends!(check_kernel(FloatDType::F32, Data::Random));
 }
 
 #[test]
 fn bf16_kernel_matches_f64() {
-    check_wgpu(FloatDType::BF16, Data::Random);
-    check_wgpu(FloatDType::BF16, Data::SmallIntegers);
+    on_kernel_backends!(check_kernel(FloatDType::BF16, Data::Random));
+    on_kernel_backends!(check_kernel(FloatDType::BF16, Data::SmallIntegers));
 }
 
 /// What the kernel does not take it declines with the values named, and the routed op then
 /// runs the reference.
 #[test]
 fn the_kernel_declines_mismatched_batches_and_the_reference_runs() {
-    let Some(device) = wgpu_device() else { return };
+    let Some(device) = Wgpu::test_device() else {
+        return;
+    };
     let spec = MixedMatmul {
         compute: FloatDType::F32,
         output: FloatDType::F32,

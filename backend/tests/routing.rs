@@ -16,7 +16,7 @@ use wildfire_backend::kernels::matmul::{
 use wildfire_backend::kernels::route::set_kernels_enabled;
 
 mod common;
-use common::{output_and_grads, relative_error, wgpu_device};
+use common::{KernelBackend, output_and_grads, relative_error};
 
 /// A `[rows, columns]` tensor of uniform values in [−2, 2) drawn on Flex.
 fn uniform(shape: [usize; 2], seed: u64) -> TensorData {
@@ -32,11 +32,11 @@ fn values(data: TensorData) -> Vec<f32> {
 #[test]
 fn the_decorator_routes_attention_and_matmuls() {
     set_kernels_enabled(true);
-    if let Some(device) = wgpu_device() {
+    if let Some(device) = Wgpu::test_device() {
         routed_attention_matches_decomposed(&device);
     }
     matmul_policy_on_flex();
-    if let Some(device) = wgpu_device() {
+    if let Some(device) = Wgpu::test_device() {
         matmul_policy_on_wgpu(&device);
     }
     set_matmul_precision(MatmulPrecision::Off);

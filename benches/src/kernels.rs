@@ -7,9 +7,9 @@
 //!   feature that is its decomposed fallback). FLOPs counted as FlashAttention-2 does: the
 //!   forward's two matmuls are `4·b·h·s²·d` (half that under the causal mask), the backward's
 //!   five are 2.5× the forward's.
-//! - **matmul**: the mixed-precision kernel (inputs in the compute type, f32 accumulation,
+//! - **matmul**: the mixed-precision matmul (inputs in the compute type, f32 accumulation,
 //!   output in the compute type) against Burn's matmul in the same type, `2·m·n·k` FLOPs; and
-//!   the kernel's bias + GELU epilogue against Burn's matmul followed by the same two ops.
+//!   with its bias + GELU epilogue against Burn's matmul followed by the same two ops.
 //!
 //! The attention forward and the plain matmul are also compared with Burn's output (`difference`:
 //! max |ours − Burn's| / max |Burn's|). With `--targets` it checks the GPU targets (attention
@@ -18,7 +18,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, Error, bail};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
@@ -30,6 +30,7 @@ use wildfire_backend::Parallel;
 use wildfire_backend::kernels::attention::fused_attention;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
+use wildfire_backend::kernels::probe;
 use wildfire_backend::kernels::route::{cube_runtime, set_kernels_enabled};
 
 use crate::median;
@@ -110,9 +111,9 @@ struct Record {
 pub fn run(args: KernelArgs) -> anyhow::Result<()> {
     set_kernels_enabled(true);
     match args.device {
-        Device::Wgpu => bench::<burn::backend::Wgpu>(&args, &Default::default()),
+        Device::Wgpu => bench::<burn::backend::Wgpu>(&args, &probe::wgpu().map_err(Error::msg)?),
         #[cfg(feature = "cuda")]
-        Device::Cuda => bench::<burn::backend::Cuda>(&args, &Default::default()),
+        Device::Cuda => bench::<burn::backend::Cuda>(&args, &probe::cuda().map_err(Error::msg)?),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => bail!("--device cuda needs a build with `--features cuda`"),
     }

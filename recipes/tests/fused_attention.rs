@@ -3,11 +3,11 @@
 //! step's loss and every parameter's gradient. On the CPU backend the fused path is the
 //! reference in Burn ops; on wgpu (lavapipe on CI) it is the CubeCL kernels.
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use burn::module::Module;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Distribution, ElementConversion, Int, Tensor};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
+use wildfire_backend::kernels::probe;
 use wildfire_backend::{DecoratedBackend, Parallel};
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::model::params::collect_params;
@@ -70,17 +70,8 @@ fn a_training_step_with_fused_attention_matches_the_decomposed_one() {
 /// a wgpu adapter it reports itself skipped, unless `WILDFIRE_REQUIRE_WGPU=1` (CI).
 #[test]
 fn on_wgpu_the_kernels_train_like_the_decomposed_attention() {
-    let probe = std::panic::catch_unwind(|| {
-        let device = WgpuDevice::default();
-        <Wgpu as Backend>::supports_dtype(&device, DType::F32);
-        device
-    });
-    match probe {
-        Ok(device) => compare_steps::<Autodiff<Parallel<Wgpu>>>(&device),
-        Err(_) if std::env::var("WILDFIRE_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
-            panic!("WILDFIRE_REQUIRE_WGPU=1 but no wgpu adapter was found")
-        }
-        Err(_) => eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers)"),
+    if let Some(device) = probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU") {
+        compare_steps::<Autodiff<Parallel<Wgpu>>>(&device);
     }
 }
 

@@ -2,11 +2,9 @@
 //! bitwise the same parameters as on `Autodiff<B>`, for the CPU backend and for Wgpu (on Vulkan;
 //! CI installs Mesa's lavapipe driver, elsewhere the Wgpu test says it is skipped and why).
 
-use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Flex, Wgpu};
-use burn::tensor::Tensor;
 use wildfire_backend::Parallel;
-use wildfire_tests::panic_text;
+use wildfire_backend::kernels::probe;
 use wildfire_tests::training::{mlp_training_bits, values};
 
 #[test]
@@ -20,21 +18,9 @@ fn training_through_the_decorator_is_bitwise_identical() {
     assert_ne!(&bare[..initial.len()], &initial[..]);
 }
 
-/// Whether wgpu finds an adapter (a GPU, or lavapipe on CPU); the reason when not.
-fn wgpu_device() -> Result<(), String> {
-    let probe = std::panic::catch_unwind(|| {
-        Tensor::<Wgpu, 1>::zeros([1], &WgpuDevice::default()).into_data()
-    });
-    probe.map(drop).map_err(|panic| {
-        let text = panic_text(&*panic).unwrap_or_default();
-        format!("no wgpu adapter ({text}); install mesa-vulkan-drivers for a CPU Vulkan device")
-    })
-}
-
 #[test]
 fn training_through_the_decorator_is_bitwise_identical_on_wgpu() {
-    if let Err(why) = wgpu_device() {
-        println!("skipped: {why}");
+    if probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU").is_none() {
         return;
     }
     let bare = mlp_training_bits::<Autodiff<Wgpu>>();

@@ -8,34 +8,15 @@ use std::time::Duration;
 
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
-use burn::tensor::Tensor;
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{nccl_device, selfcheck};
+use wildfire_backend::kernels::probe;
 use wildfire_tests::training::mlp_training_bits;
-use wildfire_tests::{options, panic_text, run_ranks};
-
-/// Whether a CUDA device answers; the reason when not (no driver, no device).
-fn cuda_device() -> Result<CudaDevice, String> {
-    // Look for the driver first: without it the CUDA runtime panics on a device thread, and the
-    // panic that reaches us only says a channel closed.
-    // SAFETY: dlopen with a valid C string; the handle is closed right away.
-    let driver = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY) };
-    if driver.is_null() {
-        return Err("libcuda.so.1 cannot be loaded: no NVIDIA driver on this machine".into());
-    }
-    // SAFETY: the handle came from dlopen above.
-    unsafe { libc::dlclose(driver) };
-    let device = CudaDevice::default();
-    let probe = device.clone();
-    std::panic::catch_unwind(move || Tensor::<Cuda, 1>::zeros([1], &probe).into_data())
-        .map(|_| device)
-        .map_err(|panic| panic_text(&*panic).unwrap_or_else(|| "the CUDA runtime panicked".into()))
-}
+use wildfire_tests::{options, run_ranks};
 
 macro_rules! require_cuda {
     () => {
-        if let Err(why) = cuda_device() {
-            println!("skipped: no usable CUDA device ({why})");
+        if probe::for_test(probe::cuda(), "WILDFIRE_REQUIRE_CUDA").is_none() {
             return;
         }
     };

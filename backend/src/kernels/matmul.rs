@@ -8,11 +8,16 @@
 //! `r` is the f32 summation's, and the one to the output type.
 //!
 //! Two implementations with one meaning:
-//! - **the kernel** (`mixed_matmul_kernel`, CubeCL, any runtime): a unit per 4×4 outputs, in
-//!   registers. It stages nothing in shared memory and uses no tensor cores; it is correct, not
-//!   yet fast (see docs/benchmarks/kernels.md);
-//! - **the reference** in Burn ops (Flex, or whatever the kernel declines): round to the compute
-//!   type, compute in f32 with the backend's own matmul, apply the epilogue in f32.
+//! - **the CubeCL path** ([`kernel`]): the inputs cast to the compute type and multiplied by
+//!   Burn's own CubeCL matmul (cubek-matmul: autotuned, on tensor cores where the device has
+//!   them), which accumulates f16 and bf16 inputs in f32; then, when there is a bias or GELU,
+//!   our epilogue kernel, one pass over the f32 product that adds the bias, applies GELU and
+//!   rounds to the output type. As in Megatron-LM's bias-GELU fusion, the epilogue is one
+//!   elementwise kernel after the GEMM, not part of the GEMM's store: it replaces the two or
+//!   three elementwise passes of the unfused ops. With f32 compute on CUDA the matmul may run on
+//!   TF32 tensor cores, as Burn's own f32 matmul does;
+//! - **the reference** in Burn ops (Flex, or whatever the CubeCL path declines): round to the
+//!   compute type, compute in f32 with the backend's own matmul, apply the epilogue in f32.
 //!
 //! [`MatmulPrecision`] is the policy that sends every float matmul of `Parallel<B>` — forward
 //! and backward alike under `Autodiff<Parallel<B>>` — through this op (`decorator/overrides.rs`),
@@ -183,17 +188,19 @@ fn rounded_product<B: Backend>(
     B::float_matmul(round(lhs), round(rhs))
 }
 
-/// The CubeCL kernel and its launch.
+/// The CubeCL path: the product by Burn's own CubeCL matmul, then the epilogue kernel.
 mod cube {
     use burn::tensor::{DType, Shape};
     use burn_cubecl::CubeRuntime;
+    use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
     use burn_cubecl::kernel::{cast, into_contiguous};
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
+    use cubecl::calculate_cube_count_elemwise;
     use cubecl::prelude::*;
 
     use super::MixedMatmul;
-    use crate::kernels::route::{CubeKernel, LOOP_ITERATION_CAP, loops_capped};
+    use crate::kernels::route::CubeKernel;
 
     /// `x` is finite and `e^x` does not overflow f32 below this; GELU's exponent is clamped to it.
     const GELU_EXPONENT_CLAMP: f32 = 80.0;
@@ -205,152 +212,114 @@ mod cube {
         x / (1.0f32 + min(exponent, f32::new(GELU_EXPONENT_CLAMP)).exp())
     }
 
-    /// Units per cube side.
-    const BLOCK: usize = 16;
-    /// Output rows (and columns) a unit computes: `TILE × TILE` outputs, `BLOCK` apart.
-    const TILE: usize = 4;
-    /// Output rows (and columns) per cube.
-    const CUBE_SIDE: usize = BLOCK * TILE;
-
-    /// A unit computes the `TILE × TILE` outputs `out[b, y + BLOCK·i, x + BLOCK·j]` of its
-    /// cube's block, `g(Σₗ lhs[b, ·, l]·rhs[b, l, ·] + bias[·])` in f32, summed in order of `l`:
-    /// per `l`, `TILE` loads from each operand feed `TILE²` products. Neighbouring units take
-    /// neighbouring columns, so their loads from `rhs` and stores are contiguous. A batch
-    /// stride of 0 broadcasts that operand over the batch.
+    /// The epilogue, one unit per output element of the f32 product `[.., m, n]`:
+    /// `out[i] = O(g(product[i] + bias[i mod n]))`.
     #[cube(launch_unchecked)]
-    #[allow(clippy::too_many_arguments)]
-    fn mixed_matmul_kernel<F: Float, O: Float>(
-        lhs: &Tensor<F>,
-        rhs: &Tensor<F>,
+    fn epilogue_kernel<O: Float>(
+        product: &Tensor<f32>,
         bias: &Tensor<f32>,
         out: &mut Tensor<O>,
-        rows: usize,
-        inner: usize,
         columns: usize,
-        lhs_batch_stride: usize,
-        rhs_batch_stride: usize,
         #[comptime] has_bias: bool,
         #[comptime] apply_gelu: bool,
-        #[define(F, O)] _dtypes: [StorageType; 2],
+        #[define(O)] _dtype: StorageType,
     ) {
-        let batch = CUBE_POS_Z as usize;
-        let first_row = CUBE_POS_Y as usize * CUBE_SIDE + UNIT_POS_Y as usize;
-        let first_column = CUBE_POS_X as usize * CUBE_SIDE + UNIT_POS_X as usize;
-        let lhs_start = batch * lhs_batch_stride;
-        let rhs_start = batch * rhs_batch_stride;
-
-        // Outputs past the edge read the last row or column again and are never written.
-        let mut lhs_rows = Array::<usize>::new(TILE);
-        let mut rhs_columns = Array::<usize>::new(TILE);
-        #[unroll]
-        for t in 0..TILE {
-            lhs_rows[t] = lhs_start + min(first_row + t * BLOCK, rows - 1) * inner;
-            rhs_columns[t] = rhs_start + min(first_column + t * BLOCK, columns - 1);
-        }
-        let mut sums = Array::<f32>::new(TILE * TILE);
-        #[unroll]
-        for t in 0..TILE * TILE {
-            sums[t] = 0.0;
-        }
-        let mut a = Array::<f32>::new(TILE);
-        let mut b = Array::<f32>::new(TILE);
-        for l in 0..inner {
-            #[unroll]
-            for t in 0..TILE {
-                a[t] = f32::cast_from(lhs[lhs_rows[t] + l]);
-                b[t] = f32::cast_from(rhs[rhs_columns[t] + l * columns]);
+        let index = ABSOLUTE_POS;
+        if index < out.len() {
+            let mut value = product[index];
+            if has_bias {
+                value += bias[index % columns];
             }
-            #[unroll]
-            for i in 0..TILE {
-                #[unroll]
-                for j in 0..TILE {
-                    sums[i * TILE + j] += a[i] * b[j];
-                }
+            if apply_gelu {
+                value = gelu(value);
             }
-        }
-
-        #[unroll]
-        for i in 0..TILE {
-            #[unroll]
-            for j in 0..TILE {
-                let (row, column) = (first_row + i * BLOCK, first_column + j * BLOCK);
-                let mut value = sums[i * TILE + j];
-                if has_bias {
-                    value += bias[min(column, columns - 1)];
-                }
-                if apply_gelu {
-                    value = gelu(value);
-                }
-                if row < rows && column < columns {
-                    out[(batch * rows + row) * columns + column] = O::cast_from(value);
-                }
-            }
+            out[index] = O::cast_from(value);
         }
     }
 
-    /// The kernel on `lhs [.., m, k]`, `rhs [.., k, n]` and `bias [n]` (cast to the compute
-    /// type and f32 here), or why it does not take them: a dtype outside f32, f16 and bf16 or
-    /// one the device lacks, an empty dim, batch dims that neither match nor are all 1 on one
-    /// side, or mismatched shapes.
+    /// The CubeCL path on `lhs [.., m, k]`, `rhs [.., k, n]` and `bias [n]`, or why it does not
+    /// take them: a dtype outside f32, f16 and bf16 or one the device lacks, an empty dim, batch
+    /// dims that do not broadcast, or mismatched shapes.
+    ///
+    /// The inputs are cast to the compute type and multiplied by Burn's CubeCL matmul
+    /// (cubek-matmul, autotuned; tensor cores where the device has them), which accumulates
+    /// half-precision inputs in f32 and writes the product in f32 when an epilogue follows (the
+    /// output type otherwise). The epilogue then reads the product once and writes the output.
     pub fn kernel<R: CubeRuntime>(
         lhs: CubeTensor<R>,
         rhs: CubeTensor<R>,
         bias: Option<CubeTensor<R>>,
         spec: MixedMatmul,
     ) -> Result<CubeTensor<R>, String> {
-        let geometry = checked_geometry(&spec, &lhs, &rhs, bias.as_ref())?;
+        let columns = checked_columns(&spec, &lhs, &rhs, bias.as_ref())?;
         let compute = DType::from(spec.compute);
-        let to = |t: CubeTensor<R>, dtype: DType| match t.dtype == dtype {
-            true => into_contiguous(t),
-            false => into_contiguous(cast(t, dtype)),
-        };
-        let (lhs, rhs) = (to(lhs, compute), to(rhs, compute));
+        let [lhs, rhs] = [lhs, rhs].map(|t| in_type(t, compute));
+        let output = DType::from(spec.output);
+        let has_epilogue = bias.is_some() || spec.gelu;
+        let product_type = if has_epilogue { DType::F32 } else { output };
+        let product = matmul(lhs, rhs, None, MatmulStrategy::default(), product_type)
+            .map_err(|error| format!("Burn's CubeCL matmul declined: {error}"))?;
+        if !has_epilogue {
+            return Ok(product);
+        }
+        Ok(epilogue(product, bias, columns, spec))
+    }
+
+    fn in_type<R: CubeRuntime>(tensor: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
+        match tensor.dtype == dtype {
+            true => tensor,
+            false => cast(tensor, dtype),
+        }
+    }
+
+    /// [`epilogue_kernel`] on the f32 `product`, whose last dim has `columns` elements.
+    fn epilogue<R: CubeRuntime>(
+        product: CubeTensor<R>,
+        bias: Option<CubeTensor<R>>,
+        columns: usize,
+        spec: MixedMatmul,
+    ) -> CubeTensor<R> {
+        let product = into_contiguous(product);
+        let client = product.client.clone();
         let has_bias = bias.is_some();
         // Without a bias the kernel reads none; one element stands in for the binding.
         let bias = match bias {
-            Some(bias) => to(bias, DType::F32),
+            Some(bias) => into_contiguous(in_type(bias, DType::F32)),
             None => empty_device_contiguous_dtype(
-                lhs.client.clone(),
-                lhs.device.clone(),
+                client.clone(),
+                product.device.clone(),
                 Shape::new([1]),
                 DType::F32,
             ),
         };
-        let output_dtype = DType::from(spec.output);
+        let output = DType::from(spec.output);
         let out = empty_device_contiguous_dtype(
-            lhs.client.clone(),
-            lhs.device.clone(),
-            geometry.output_shape.clone(),
-            output_dtype,
+            client.clone(),
+            product.device.clone(),
+            product.meta.shape().clone(),
+            output,
         );
-        let cubes = CubeCount::Static(
-            geometry.columns.div_ceil(CUBE_SIDE) as u32,
-            geometry.rows.div_ceil(CUBE_SIDE) as u32,
-            geometry.batches as u32,
-        );
-        // SAFETY: the tensors are contiguous with the shapes `Geometry` read; reads are clamped to
-        // the last row and column, writes skipped past them, and a batch stride is 0 only for an
-        // operand with one batch.
+        let elements = out.meta.shape().num_elements();
+        let cube_dim = CubeDim::new(&client, elements);
+        let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
+        // SAFETY: `product` and `out` are contiguous with the same shape, the kernel writes only
+        // indices below `out.len()`, and reads `bias` (of `columns` elements, checked) modulo
+        // `columns` only when there is one.
         unsafe {
-            mixed_matmul_kernel::launch_unchecked(
-                &lhs.client.clone(),
+            epilogue_kernel::launch_unchecked(
+                &client,
                 cubes,
-                CubeDim::new_2d(BLOCK as u32, BLOCK as u32),
-                lhs.into_tensor_arg(),
-                rhs.into_tensor_arg(),
+                cube_dim,
+                product.into_tensor_arg(),
                 bias.into_tensor_arg(),
                 out.clone().into_tensor_arg(),
-                geometry.rows,
-                geometry.inner,
-                geometry.columns,
-                geometry.lhs_batch_stride,
-                geometry.rhs_batch_stride,
+                columns,
                 has_bias,
                 spec.gelu,
-                [compute.into(), output_dtype.into()],
+                output.into(),
             )
         };
-        Ok(out)
+        out
     }
 
     /// [`kernel`] for the router: `None` (logged) sends the call to the reference.
@@ -367,13 +336,14 @@ mod cube {
             .ok()
     }
 
-    /// The kernel's view of the inputs, or why it cannot take them.
-    fn checked_geometry<R: CubeRuntime>(
+    /// `n`, the product's columns, once the dtypes, the shapes and the bias are ones the CubeCL
+    /// path takes; or why they are not.
+    fn checked_columns<R: CubeRuntime>(
         spec: &MixedMatmul,
         lhs: &CubeTensor<R>,
         rhs: &CubeTensor<R>,
         bias: Option<&CubeTensor<R>>,
-    ) -> Result<Geometry, String> {
+    ) -> Result<usize, String> {
         let kernel_types = [DType::F32, DType::F16, DType::BF16];
         let properties = lhs.client.properties();
         for dtype in [
@@ -389,79 +359,37 @@ mod cube {
                 return Err(format!("the device has no {dtype:?} arithmetic"));
             }
         }
-        let Some(geometry) = Geometry::of(lhs.meta.shape(), rhs.meta.shape()) else {
+        let (lhs_shape, rhs_shape) = (lhs.meta.shape(), rhs.meta.shape());
+        let Some(columns) = product_columns(lhs_shape, rhs_shape) else {
             return Err(format!(
-                "shapes {:?} × {:?} (batch dims equal or one side's all 1, m, k, n ≥ 1)",
-                lhs.meta.shape(),
-                rhs.meta.shape()
+                "shapes {lhs_shape:?} × {rhs_shape:?} (equal ranks ≥ 2, batch dims equal or 1, \
+                 m, k, n ≥ 1)"
             ));
         };
-        if loops_capped::<R>() && geometry.inner > LOOP_ITERATION_CAP {
-            return Err(format!(
-                "inner dim {} needs as many loop iterations per invocation, over the \
-                 {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
-                geometry.inner
-            ));
-        }
         if let Some(bias) = bias {
             let shape = bias.meta.shape();
-            if shape.num_dims() != 1 || shape[0] != geometry.columns {
-                return Err(format!("bias {shape:?} for {} columns", geometry.columns));
+            if shape.num_dims() != 1 || shape[0] != columns {
+                return Err(format!("bias {shape:?} for {columns} columns"));
             }
         }
-        Ok(geometry)
+        Ok(columns)
     }
 
-    /// The kernel's view of `[.., m, k] × [.., k, n]`.
-    struct Geometry {
-        rows: usize,
-        inner: usize,
-        columns: usize,
-        batches: usize,
-        lhs_batch_stride: usize,
-        rhs_batch_stride: usize,
-        output_shape: Shape,
-    }
-
-    impl Geometry {
-        /// `None` for shapes the kernel leaves to the reference: empty dims, a mismatched inner
-        /// dim, or batch dims that neither match nor are all 1 on one side.
-        fn of(lhs: &Shape, rhs: &Shape) -> Option<Self> {
-            let rank = lhs.num_dims();
-            if rank < 2
-                || rhs.num_dims() != rank
-                || lhs.num_elements() == 0
-                || rhs.num_elements() == 0
-            {
-                return None;
-            }
-            let (rows, inner, columns) = (lhs[rank - 2], lhs[rank - 1], rhs[rank - 1]);
-            if rhs[rank - 2] != inner {
-                return None;
-            }
-            let batch_dims = |shape: &Shape| (0..rank - 2).map(|i| shape[i]).collect::<Vec<_>>();
-            let (lhs_batch, rhs_batch) = (batch_dims(lhs), batch_dims(rhs));
-            let count = |dims: &[usize]| dims.iter().product::<usize>();
-            let output_batch = match (count(&lhs_batch), count(&rhs_batch)) {
-                _ if lhs_batch == rhs_batch => lhs_batch.clone(),
-                (1, _) => rhs_batch.clone(),
-                (_, 1) => lhs_batch.clone(),
-                _ => return None,
-            };
-            let batches = count(&output_batch);
-            let stride = |dims: &[usize], size: usize| if count(dims) == 1 { 0 } else { size };
-            let mut output_shape = output_batch;
-            output_shape.extend([rows, columns]);
-            Some(Self {
-                rows,
-                inner,
-                columns,
-                batches,
-                lhs_batch_stride: stride(&lhs_batch, rows * inner),
-                rhs_batch_stride: stride(&rhs_batch, inner * columns),
-                output_shape: Shape::from(output_shape),
-            })
+    /// The columns `n` of `[.., m, k] × [.., k, n]`, or `None` for shapes left to the
+    /// reference: ranks that differ or are below 2, an empty dim, a mismatched inner dim, or
+    /// batch dims that do not broadcast (each pair equal, or one of them 1).
+    fn product_columns(lhs: &Shape, rhs: &Shape) -> Option<usize> {
+        let rank = lhs.num_dims();
+        if rank < 2
+            || rhs.num_dims() != rank
+            || lhs.num_elements() == 0
+            || rhs.num_elements() == 0
+            || lhs[rank - 1] != rhs[rank - 2]
+        {
+            return None;
         }
+        let broadcasts = (0..rank - 2).all(|i| lhs[i] == rhs[i] || lhs[i] == 1 || rhs[i] == 1);
+        broadcasts.then_some(rhs[rank - 1])
     }
 
     impl CubeKernel<2, 1> for MixedMatmul {

@@ -6,11 +6,13 @@
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
 //! - [`route`]: which of the two a call takes (the kernels on CubeCL backends, unless opted out).
+//! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 
 pub mod attention;
 mod dot;
 pub mod flash;
 pub mod matmul;
+pub mod probe;
 pub mod route;
 
 use burn::tensor::backend::Backend;

@@ -1,38 +1,60 @@
-//! What the kernel test binaries share: the wgpu device (or a printed skip without one), the
-//! output and input gradients of an attention, and the error measure.
-//! (Each test binary uses what it needs of it.)
+//! What the kernel test binaries share: the kernel backends (wgpu, and CUDA with `--features
+//! cuda`) and their devices (or a printed skip without one), the output and input gradients of
+//! an attention, and the error measure. (Each test binary uses what it needs of it.)
 #![allow(dead_code)]
 
 use burn::backend::Wgpu;
-use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use wildfire_backend::kernels::probe;
 
-/// The wgpu device, or `None` (printed as a skip) when there is no adapter; with
-/// `WILDFIRE_REQUIRE_WGPU=1` (set by `.ci/run`) a missing adapter is a failure instead.
-pub fn wgpu_device() -> Option<WgpuDevice> {
-    let probe = std::panic::catch_unwind(|| {
-        let device = WgpuDevice::default();
-        <Wgpu as Backend>::supports_dtype(&device, DType::F32);
-        device
-    });
-    match probe {
-        Ok(device) => Some(device),
-        Err(_) if std::env::var("WILDFIRE_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
-            panic!("WILDFIRE_REQUIRE_WGPU=1 but no wgpu adapter was found")
-        }
-        Err(_) => {
-            eprintln!("skipped: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
-            None
-        }
+/// A backend the CubeCL kernels run on, its tensors being the runtime's.
+pub trait KernelBackend: Backend<FloatTensorPrimitive = CubeTensor<Self::Runtime>> {
+    type Runtime: CubeRuntime;
+    /// The unit roundoff of what an f32 matmul may round its inputs to: TF32's 2⁻¹¹ where
+    /// Burn's matmul may use TF32 tensor cores (CUDA), 0 elsewhere.
+    const F32_MATMUL_INPUT_ROUNDOFF: f64;
+    /// The device, or `None` (printed as a skip) when there is none; see [`probe::for_test`].
+    fn test_device() -> Option<Self::Device>;
+}
+
+/// `.ci/run` sets `WILDFIRE_REQUIRE_WGPU=1`: CI has lavapipe, so a missing adapter fails.
+impl KernelBackend for Wgpu {
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    const F32_MATMUL_INPUT_ROUNDOFF: f64 = 0.0;
+    fn test_device() -> Option<Self::Device> {
+        probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU")
     }
 }
 
+/// `scripts/gpu-check.sh` sets `WILDFIRE_REQUIRE_CUDA=1`: it has seen the GPU first.
+#[cfg(feature = "cuda")]
+impl KernelBackend for burn::backend::Cuda {
+    type Runtime = cubecl::cuda::CudaRuntime;
+    const F32_MATMUL_INPUT_ROUNDOFF: f64 = 1.0 / 2048.0;
+    fn test_device() -> Option<Self::Device> {
+        probe::for_test(probe::cuda(), "WILDFIRE_REQUIRE_CUDA")
+    }
+}
+
+/// `$check::<B>($args…)` on every kernel backend this build has: `Wgpu`, and `Cuda` with
+/// `--features cuda`.
+#[macro_export]
+macro_rules! on_kernel_backends {
+    ($check:ident($($arg:expr),* $(,)?)) => {{
+        $check::<burn::backend::Wgpu>($($arg),*);
+        #[cfg(feature = "cuda")]
+        $check::<burn::backend::Cuda>($($arg),*);
+    }};
+}
+
 /// Whether `device` computes in `dtype`; prints a skip when it does not.
-pub fn has_dtype(device: &WgpuDevice, dtype: DType) -> bool {
-    let has = <Wgpu as Backend>::supports_dtype(device, dtype);
+pub fn has_dtype<B: Backend>(device: &B::Device, dtype: DType) -> bool {
+    let has = B::supports_dtype(device, dtype);
     if !has {
-        eprintln!("skipped: this wgpu device has no {dtype:?} arithmetic");
+        eprintln!("skipped: {} has no {dtype:?} arithmetic", B::name(device));
     }
     has
 }
