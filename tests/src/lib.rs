@@ -149,14 +149,6 @@ pub fn launch(n: usize, extra: &[&str], command: &[&str]) -> Command {
     cmd
 }
 
-/// The message a caught panic carried, if it was a string.
-pub fn panic_text(panic: &(dyn std::any::Any + Send)) -> Option<String> {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-}
-
 /// Whether a process exists (zombies included).
 pub fn process_exists(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
