@@ -422,10 +422,8 @@ pub fn forward<R: CubeRuntime>(
 pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [CubeTensor<R>; 3] {
     let [query, key, value, output, logsumexp, output_grad] = inputs.map(into_contiguous);
     let dtype = query.dtype;
-    let output_grad = match output_grad.dtype == dtype {
-        true => output_grad,
-        false => burn_cubecl::kernel::cast(output_grad, dtype),
-    };
+    // `cast` returns a tensor already in `dtype` as it is.
+    let output_grad = burn_cubecl::kernel::cast(output_grad, dtype);
     let launch = Launch::of(&query);
     let shape = query.meta.shape().clone();
     let [query_grad, key_grad, value_grad] =

@@ -253,7 +253,8 @@ mod cube {
     ) -> Result<CubeTensor<R>, String> {
         let columns = checked_columns(&spec, &lhs, &rhs, bias.as_ref())?;
         let compute = DType::from(spec.compute);
-        let [lhs, rhs] = [lhs, rhs].map(|t| in_type(t, compute));
+        // `cast` returns a tensor already in `dtype` as it is.
+        let [lhs, rhs] = [lhs, rhs].map(|t| cast(t, compute));
         let output = DType::from(spec.output);
         let has_epilogue = bias.is_some() || spec.gelu;
         let product_type = if has_epilogue { DType::F32 } else { output };
@@ -263,13 +264,6 @@ mod cube {
             return Ok(product);
         }
         Ok(epilogue(product, bias, columns, spec))
-    }
-
-    fn in_type<R: CubeRuntime>(tensor: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
-        match tensor.dtype == dtype {
-            true => tensor,
-            false => cast(tensor, dtype),
-        }
     }
 
     /// [`epilogue_kernel`] on the f32 `product`, whose last dim has `columns` elements.
@@ -284,7 +278,7 @@ mod cube {
         let has_bias = bias.is_some();
         // Without a bias the kernel reads none; one element stands in for the binding.
         let bias = match bias {
-            Some(bias) => into_contiguous(in_type(bias, DType::F32)),
+            Some(bias) => into_contiguous(cast(bias, DType::F32)),
             None => empty_device_contiguous_dtype(
                 client.clone(),
                 product.device.clone(),
