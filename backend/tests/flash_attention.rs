@@ -1,13 +1,14 @@
 //! The CubeCL FlashAttention-2 kernels (`kernels::flash`) on wgpu (Mesa's lavapipe on CI), and
-//! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three input gradients against decomposed attention with autodiff on Flex in
-//! f32, from the same (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is
-//! 32 rows), head dims 32, 64 and 128.
+//! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three
+//! input gradients against decomposed attention with autodiff on Flex in f32, from the same
+//! (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is 32 rows), head dims
+//! 32, 64 and 128.
 //!
 //! Lavapipe ends an invocation's loops after 65535 iterations in all (see
-//! `kernels::route::LOOP_ITERATION_CAP`); before the kernels unrolled their dot products, head
-//! dim 128 at length 257 passed it and gave wrong gradients. That case is tested here, and
-//! length 600 (past it before, for the forward too) in its own test, as is the kernels'
-//! declining a shape still past it on wgpu.
+//! `kernels::route::LOOP_ITERATION_CAP`); before the kernels unrolled their loops over a row's
+//! columns, head dim 128 at length 257 passed it and gave wrong gradients. That case is tested
+//! here, and length 600 (past it before, for the forward too) in its own test, as is the
+//! kernels' declining a shape still past it on wgpu.
 //!
 //! Tolerances, on `max |kernel − reference| / max |reference|` per tensor:
 //! - **f32**: 1e-5. Both compute in f32; they differ only in summation order.
@@ -163,8 +164,8 @@ fn bf16_kernels_match_decomposed_attention() {
     on_kernel_backends!(check(DType::BF16, 4.0 * 2f32.powi(-8), &CASES));
 }
 
-/// Length 600 at head dim 128: past lavapipe's loop cap before the dot products were unrolled
-/// (the forward was wrong too); now well inside it.
+/// Length 600 at head dim 128: past lavapipe's loop cap before the loops over a row's columns
+/// were unrolled (the forward was wrong too); now well inside it.
 #[test]
 fn head_dim_128_length_600() {
     on_kernel_backends!(check(DType::F32, 1e-5, &[(128, &[600])]));
@@ -177,13 +178,13 @@ fn shapes_past_the_loop_cap_are_declined_on_wgpu() {
     let Some(device) = Wgpu::test_device() else {
         return;
     };
-    let (seq, d_head) = (4500, 100);
+    let (seq, d_head) = (7000, 100);
     let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
         .into_primitive()
         .tensor();
     let reason = flash::unsupported(&[query.clone(), query.clone(), query]).expect("declined");
     assert!(
-        reason.contains("length 4500")
+        reason.contains("length 7000")
             && reason.contains("head dim 100")
             && reason.contains("65535"),
         "{reason}"

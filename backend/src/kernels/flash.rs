@@ -3,33 +3,34 @@
 //! its tiles written as kernels.
 //!
 //! Tensors are `[batch, heads, seq, d]`, made contiguous first. A cube owns `TILE` (32) rows of
-//! one head; a unit owns one row and `CHUNK` (32) of its columns, so a cube has 32 × ⌈d/32⌉
-//! units (`d` up to [`MAX_HEAD_DIM`]). Scores are full dot products over `d`, which every
-//! column unit of a row computes alike (the same bits):
+//! one head and a unit owns one whole row: it holds the row's inputs and accumulators in arrays
+//! of `d` (up to [`MAX_HEAD_DIM`]) f32, so every score is computed once, by the unit that needs
+//! it, and the unit's own rows are read from memory once:
 //!
-//! - **forward** — a unit walks the keys in tiles of `TILE`. It keeps its row's running max `m`,
-//!   running sum `l` and its columns of the unnormalised output `acc`; a tile with scores `s`
-//!   updates `m' = max(m, max s)`, `l' = l·e^(m−m') + Σ e^(s−m')`,
-//!   `acc' = acc·e^(m−m') + Σ e^(s−m') v`. It writes `O = acc/l` and `L = m + ln l`. No `T×T`
+//! - **forward** — a unit holds its query row `q` and walks the keys in tiles of `TILE`. It keeps
+//!   the running max `m`, the running sum `l` and the unnormalised output `acc`; a tile with
+//!   scores `s = c·q·kⱼ` (`c = 1/√d`) updates `m' = max(m, max s)`, `l' = l·e^(m−m') + Σ e^(s−m')`,
+//!   `acc' = acc·e^(m−m') + Σ e^(s−m') vⱼ`. It writes `O = acc/l` and `L = m + ln l`. No `T×T`
 //!   matrix exists anywhere.
 //! - **backward** — with `Δᵢ = dOᵢ·Oᵢ` (one small kernel) and `Pᵢⱼ = e^(sᵢⱼ − Lᵢ)` recomputed
 //!   from the saved `L`: `dVⱼ = Σᵢ Pᵢⱼ dOᵢ`, `dSᵢⱼ = Pᵢⱼ (dOᵢ·Vⱼ − Δᵢ)`, `dKⱼ = c Σᵢ dSᵢⱼ Qᵢ`,
-//!   `dQᵢ = c Σⱼ dSᵢⱼ Kⱼ` (`c = 1/√d`). One kernel owns key rows (dK, dV, walking the queries),
-//!   one owns query rows (dQ, walking the keys); neither needs atomics.
+//!   `dQᵢ = c Σⱼ dSᵢⱼ Kⱼ`. One kernel owns key rows (holds `kⱼ, vⱼ`, accumulates dK, dV, walking
+//!   the queries), one owns query rows (holds `qᵢ, dOᵢ`, accumulates dQ, walking the keys);
+//!   neither needs atomics.
 //!
-//! Rows are read from global memory (cache), not staged in shared memory. Lavapipe compiles
-//! every compute shader as LLVM coroutines and took over a minute per kernel with barriers and
-//! compile-time loop bounds, so `d` and the tile are runtime values and there are no barriers.
-//! Staging tiles in shared memory and tensor-core (`cmma`) inner products are what GPU
-//! throughput needs next.
+//! The other rows are read from global memory (cache), not staged in shared memory, and there
+//! are no barriers: lavapipe compiles a compute shader as LLVM coroutines split at every
+//! barrier, and took over a minute per kernel with them. Staging key tiles in shared memory and
+//! tensor-core (`cmma`) inner products are what GPU throughput needs next.
 //!
 //! **Lavapipe's loop cap.** Lavapipe stops an invocation's loops once they have run 65535
-//! iterations together ([`super::route::LOOP_ITERATION_CAP`]), silently. With a plain loop per
-//! dot product the backward passed that at head dim 128 and length 256 (2·128 iterations per
-//! query row), and gave wrong gradients. The dot products are unrolled by 32 now
-//! (`super::dot`), an invocation runs about `seq·(1 + 2·d/32)` iterations, and on wgpu the
-//! kernels decline the shapes still past the cap (length ≳ 7000 at head dim 128).
-//!
+//! iterations together ([`super::route::LOOP_ITERATION_CAP`]), silently. The walks over a row's
+//! `d` columns step by `UNROLL` (32) columns, unrolled, so the forward, the heavier, runs about
+//! `(2⌈d/32⌉ + 2)·seq` iterations. On wgpu the kernels decline shapes past the cap (lengths above
+//! about 6400 at head dim 128, 16 000 at 32). Unrolling whole rows instead (a compile-time `d`)
+//! would lift the cap to about 32 000 at any head dim, but lavapipe then took 40 s to compile the
+//! kernels at head dim 32 and 4 minutes at 64.
+
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -37,7 +38,6 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::dot::{dot, dot_iterations};
 use super::route::{LOOP_ITERATION_CAP, loops_capped};
 
 /// A score below every real one: `e^(MASKED − m)` is 0 for any finite `m`.
@@ -46,76 +46,162 @@ const MASKED: f32 = -1.0e30;
 /// Rows per cube, and keys per online-softmax step.
 const TILE: usize = 32;
 
-/// Columns of a row one unit accumulates (see the module doc).
-const CHUNK: usize = 32;
+/// Columns per step of the loops over a row. The step is unrolled, so a row of `d` columns costs
+/// `⌈d/UNROLL⌉` of the loop iterations lavapipe allows an invocation.
+const UNROLL: usize = 32;
 
-/// The largest head dim the kernels take: `CHUNK` columns per unit, at most 256 units a cube.
+/// The largest head dim the kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// `Σₖ a[sa + k]·b[sb + k]` over `d` elements, in f32.
-#[cube]
-fn row_dot<F: Float>(a: &Tensor<F>, sa: usize, b: &Tensor<F>, sb: usize, d: usize) -> f32 {
-    dot::<F>(a, sa, 1, b, sb, 1, d)
+/// The length of the arrays a unit holds rows in: `d` rounded up to a whole step.
+fn row_width(d: usize) -> usize {
+    d.div_ceil(UNROLL) * UNROLL
 }
 
-/// `CHUNK` zeros: one unit's share of a row.
+/// The column read at position `c` of a row of `d`: `c`, or the last column for the padding past
+/// `d` (held rows are zero there, and accumulators there are never stored).
 #[cube]
-fn zeros() -> Array<f32> {
-    let mut out = Array::<f32>::new(CHUNK);
-    #[unroll]
-    for c in 0..CHUNK {
-        out[c] = 0.0;
-    }
-    out
+fn column(c: usize, d: usize) -> usize {
+    min(c, d - 1)
 }
 
-/// `acc[c] += factor · src[start + min(first + c, d − 1)]` for this unit's `CHUNK` columns
-/// starting at `first` (columns past `d` read the last one and are never written).
+/// The row of `d` values of `src` from `start`, in f32, zero-padded to `width`.
 #[cube]
-fn add_scaled<F: Float>(
-    acc: &mut Array<f32>,
-    factor: f32,
+fn load_row<F: Float>(
     src: &Tensor<F>,
     start: usize,
-    first: usize,
     d: usize,
-) {
-    #[unroll]
-    for c in 0..CHUNK {
-        let column = min(first + c, d - 1);
-        acc[c] += factor * f32::cast_from(src[start + column]);
+    #[comptime] width: usize,
+) -> Array<f32> {
+    let mut row = Array::<f32>::new(width);
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            row[c] = select(c < d, f32::cast_from(src[start + column(c, d)]), 0.0f32);
+        }
     }
+    row
 }
 
-/// `dst[start + first + c] = acc[c]·factor` for the columns below `d`.
+/// `width` zeros: an accumulator row.
 #[cube]
-fn store<F: Float>(
-    dst: &mut Tensor<F>,
-    acc: &Array<f32>,
-    factor: f32,
+fn zero_row(d: usize, #[comptime] width: usize) -> Array<f32> {
+    let mut row = Array::<f32>::new(width);
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            row[base + k] = 0.0;
+        }
+    }
+    row
+}
+
+/// `held · src[start..start + d]`, in f32, in order of the columns.
+#[cube]
+fn dot_row<F: Float>(held: &Array<f32>, src: &Tensor<F>, start: usize, d: usize) -> f32 {
+    let mut sum = 0.0f32;
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            sum += held[c] * f32::cast_from(src[start + column(c, d)]);
+        }
+    }
+    sum
+}
+
+/// `(a · a_src[start..start + d], b · b_src[start..start + d])` in one walk over the columns.
+#[cube]
+fn dot_rows<F: Float>(
+    a: &Array<f32>,
+    a_src: &Tensor<F>,
+    b: &Array<f32>,
+    b_src: &Tensor<F>,
     start: usize,
-    first: usize,
     d: usize,
-) {
-    #[unroll]
-    for c in 0..CHUNK {
-        if first + c < d {
-            dst[start + first + c] = F::cast_from(acc[c] * factor);
+) -> (f32, f32) {
+    let mut a_sum = 0.0f32;
+    let mut b_sum = 0.0f32;
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            let source = start + column(c, d);
+            a_sum += a[c] * f32::cast_from(a_src[source]);
+            b_sum += b[c] * f32::cast_from(b_src[source]);
+        }
+    }
+    (a_sum, b_sum)
+}
+
+/// `acc += factor · src[start..start + d]`.
+#[cube]
+fn add_row<F: Float>(acc: &mut Array<f32>, factor: f32, src: &Tensor<F>, start: usize, d: usize) {
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            acc[c] += factor * f32::cast_from(src[start + column(c, d)]);
         }
     }
 }
 
-/// The row this unit owns: row `UNIT_POS_Y` of the cube's `tile`, or the last row for units
-/// past the sequence end (they compute it again and write the same bits).
+/// `a += a_factor · a_src[start..start + d]` and `b += b_factor · b_src[start..start + d]` in one
+/// walk over the columns.
 #[cube]
-fn unit_row(tile: usize, seq: usize) -> usize {
-    min(CUBE_POS_X as usize * tile + UNIT_POS_Y as usize, seq - 1)
+#[allow(clippy::too_many_arguments)]
+fn add_rows<F: Float>(
+    a: &mut Array<f32>,
+    a_factor: f32,
+    a_src: &Tensor<F>,
+    b: &mut Array<f32>,
+    b_factor: f32,
+    b_src: &Tensor<F>,
+    start: usize,
+    d: usize,
+) {
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            let source = start + column(c, d);
+            a[c] += a_factor * f32::cast_from(a_src[source]);
+            b[c] += b_factor * f32::cast_from(b_src[source]);
+        }
+    }
 }
 
-/// The first of the `CHUNK` columns this unit owns.
+/// `acc *= factor`.
 #[cube]
-fn unit_first_column() -> usize {
-    UNIT_POS_X as usize * CHUNK
+fn scale_row(acc: &mut Array<f32>, factor: f32, d: usize) {
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            acc[base + k] *= factor;
+        }
+    }
+}
+
+/// `dst[start..start + d] = factor · acc`.
+#[cube]
+fn store_row<F: Float>(dst: &mut Tensor<F>, acc: &Array<f32>, factor: f32, start: usize, d: usize) {
+    for base in range_stepped(0, d, UNROLL) {
+        #[unroll]
+        for k in 0..UNROLL {
+            let c = base + k;
+            if c < d {
+                dst[start + c] = F::cast_from(acc[c] * factor);
+            }
+        }
+    }
+}
+
+/// The row this unit owns: row `UNIT_POS_X` of the cube's tile, or the last row for units past
+/// the sequence end (they compute it again and write the same bits).
+#[cube]
+fn unit_row(seq: usize) -> usize {
+    min(CUBE_POS_X as usize * TILE + UNIT_POS_X as usize, seq - 1)
 }
 
 /// Whether query `query` (a row below `seq`) sees key `key`.
@@ -130,15 +216,16 @@ fn visible(query: usize, key: usize, seq: usize, #[comptime] causal: bool) -> bo
 
 /// The end of the keys a cube of queries starting at `first_query` sees.
 #[cube]
-fn keys_seen(first_query: usize, seq: usize, tile: usize, #[comptime] causal: bool) -> usize {
+fn keys_seen(first_query: usize, seq: usize, #[comptime] causal: bool) -> usize {
     let mut end = seq;
     if causal {
-        end = min(first_query + tile, seq);
+        end = min(first_query + TILE, seq);
     }
     end
 }
 
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 fn flash_forward_kernel<F: Float>(
     query: &Tensor<F>,
     key: &Tensor<F>,
@@ -148,27 +235,26 @@ fn flash_forward_kernel<F: Float>(
     seq: usize,
     scale: f32,
     d: usize,
-    tile: usize,
+    #[comptime] width: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let first_query = CUBE_POS_X as usize * tile;
-    let row = unit_row(tile, seq);
-    let first_column = unit_first_column();
-    let query_start = (head * seq + row) * d;
+    let row = unit_row(seq);
+    let index = head * seq + row;
+    let q = load_row::<F>(query, index * d, d, width);
 
-    let mut acc = zeros();
+    let mut acc = zero_row(d, width);
     let mut scores = Array::<f32>::new(TILE);
     let mut running_max = f32::new(MASKED);
     let mut sum = 0.0f32;
 
-    let end = keys_seen(first_query, seq, tile, causal);
-    for first_key in range_stepped(0, end, tile) {
+    let end = keys_seen(CUBE_POS_X as usize * TILE, seq, causal);
+    for first_key in range_stepped(0, end, TILE) {
         let mut tile_max = f32::new(MASKED);
-        for j in 0..tile {
+        for j in 0..TILE {
             let key_start = (head * seq + min(first_key + j, seq - 1)) * d;
-            let score = row_dot::<F>(query, query_start, key, key_start, d) * scale;
+            let score = dot_row::<F>(&q, key, key_start, d) * scale;
             let seen = visible(row, first_key + j, seq, causal);
             scores[j] = select(seen, score, f32::new(MASKED));
             tile_max = tile_max.max(scores[j]);
@@ -176,24 +262,19 @@ fn flash_forward_kernel<F: Float>(
         let new_max = running_max.max(tile_max);
         let correction = (running_max - new_max).exp();
         sum *= correction;
-        #[unroll]
-        for c in 0..CHUNK {
-            acc[c] *= correction;
-        }
-        for j in 0..tile {
+        scale_row(&mut acc, correction, d);
+        for j in 0..TILE {
             let seen = visible(row, first_key + j, seq, causal);
             let p = select(seen, (scores[j] - new_max).exp(), 0.0f32);
             sum += p;
             let value_start = (head * seq + min(first_key + j, seq - 1)) * d;
-            add_scaled::<F>(&mut acc, p, value, value_start, first_column, d);
+            add_row::<F>(&mut acc, p, value, value_start, d);
         }
         running_max = new_max;
     }
 
-    store::<F>(output, &acc, 1.0f32 / sum, query_start, first_column, d);
-    if UNIT_POS_X == 0 {
-        logsumexp[head * seq + row] = running_max + sum.ln();
-    }
+    store_row::<F>(output, &acc, 1.0f32 / sum, index * d, d);
+    logsumexp[index] = running_max + sum.ln();
 }
 
 /// `Δᵢ = dOᵢ·Oᵢ` for every row, in f32.
@@ -204,10 +285,12 @@ fn row_dot_kernel<F: Float>(
     delta: &mut Tensor<f32>,
     rows: usize,
     d: usize,
+    #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = min(ABSOLUTE_POS, rows - 1);
-    delta[row] = row_dot::<F>(output, row * d, output_grad, row * d, d);
+    let held = load_row::<F>(output, row * d, d, width);
+    delta[row] = dot_row::<F>(&held, output_grad, row * d, d);
 }
 
 /// dK and dV: a cube owns `TILE` key rows of one head and walks the queries that see them.
@@ -225,35 +308,35 @@ fn flash_backward_kv_kernel<F: Float>(
     seq: usize,
     scale: f32,
     d: usize,
-    tile: usize,
+    #[comptime] width: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let key_row = unit_row(tile, seq);
-    let first_column = unit_first_column();
+    let key_row = unit_row(seq);
     let key_start = (head * seq + key_row) * d;
+    let k = load_row::<F>(key, key_start, d, width);
+    let v = load_row::<F>(value, key_start, d, width);
 
-    let mut dk = zeros();
-    let mut dv = zeros();
+    let mut dk = zero_row(d, width);
+    let mut dv = zero_row(d, width);
     // Under the mask the queries from the cube's first key on; every unit walks the same ones.
     let mut first_query = 0usize;
     if causal {
-        first_query = CUBE_POS_X as usize * tile;
+        first_query = CUBE_POS_X as usize * TILE;
     }
     for query_row in first_query..seq {
         let index = head * seq + query_row;
         let start = index * d;
+        let (score, prob_grad) = dot_rows::<F>(&k, query, &v, output_grad, start, d);
         let seen = visible(query_row, key_row, seq, causal);
-        let score = row_dot::<F>(key, key_start, query, start, d) * scale;
-        let p = select(seen, (score - logsumexp[index]).exp(), 0.0f32);
-        let ds = p * (row_dot::<F>(value, key_start, output_grad, start, d) - delta[index]) * scale;
-        add_scaled::<F>(&mut dv, p, output_grad, start, first_column, d);
-        add_scaled::<F>(&mut dk, ds, query, start, first_column, d);
+        let p = select(seen, (score * scale - logsumexp[index]).exp(), 0.0f32);
+        let ds = p * (prob_grad - delta[index]) * scale;
+        add_rows::<F>(&mut dv, p, output_grad, &mut dk, ds, query, start, d);
     }
 
-    store::<F>(key_grad, &dk, 1.0, key_start, first_column, d);
-    store::<F>(value_grad, &dv, 1.0, key_start, first_column, d);
+    store_row::<F>(key_grad, &dk, 1.0, key_start, d);
+    store_row::<F>(value_grad, &dv, 1.0, key_start, d);
 }
 
 /// dQ: a cube owns `TILE` query rows of one head and walks the keys they see.
@@ -270,29 +353,29 @@ fn flash_backward_q_kernel<F: Float>(
     seq: usize,
     scale: f32,
     d: usize,
-    tile: usize,
+    #[comptime] width: usize,
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let head = CUBE_POS_Y as usize;
-    let row = unit_row(tile, seq);
-    let first_column = unit_first_column();
+    let row = unit_row(seq);
     let index = head * seq + row;
-    let query_start = index * d;
+    let q = load_row::<F>(query, index * d, d, width);
+    let grad = load_row::<F>(output_grad, index * d, d, width);
     let (row_lse, row_delta) = (logsumexp[index], delta[index]);
 
-    let mut dq = zeros();
-    let end = keys_seen(CUBE_POS_X as usize * tile, seq, tile, causal);
+    let mut dq = zero_row(d, width);
+    let end = keys_seen(CUBE_POS_X as usize * TILE, seq, causal);
     for key_row in 0..end {
         let start = (head * seq + key_row) * d;
+        let (score, prob_grad) = dot_rows::<F>(&q, key, &grad, value, start, d);
         let seen = visible(row, key_row, seq, causal);
-        let score = row_dot::<F>(query, query_start, key, start, d) * scale;
-        let p = select(seen, (score - row_lse).exp(), 0.0f32);
-        let ds = p * (row_dot::<F>(output_grad, query_start, value, start, d) - row_delta) * scale;
-        add_scaled::<F>(&mut dq, ds, key, start, first_column, d);
+        let p = select(seen, (score * scale - row_lse).exp(), 0.0f32);
+        let ds = p * (prob_grad - row_delta) * scale;
+        add_row::<F>(&mut dq, ds, key, start, d);
     }
 
-    store::<F>(query_grad, &dq, 1.0, query_start, first_column, d);
+    store_row::<F>(query_grad, &dq, 1.0, index * d, d);
 }
 
 /// Why the kernels cannot run attention on `inputs` (query, key, value, …; the caller then runs
@@ -339,14 +422,18 @@ pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
     None
 }
 
-/// The loop iterations one invocation of the heaviest kernel runs (the backward's: per key or
-/// query row, one step and two dot products; the `CHUNK` loops are unrolled).
+/// The loop iterations one invocation runs in the heavier kernel, with `s = ⌈d/UNROLL⌉` steps
+/// per walk over a row: the forward loads, zeroes and stores a row once each and per tile of
+/// keys walks two rows per key, rescales its accumulator and steps; the backward kernels load,
+/// zero and store up to two rows each and walk two rows per row of the other side.
 fn loop_iterations(seq: usize, d: usize) -> usize {
-    seq * (1 + 2 * dot_iterations(d)) + seq.div_ceil(TILE)
+    let steps = d.div_ceil(UNROLL);
+    let forward = 3 * steps + seq.div_ceil(TILE) * (2 * TILE * (steps + 1) + steps + 1);
+    let backward = 6 * steps + seq * (2 * steps + 1);
+    forward.max(backward)
 }
 
-/// The launch geometry shared by the kernels: a cube per `TILE` rows of a head, a unit per row
-/// and `CHUNK` columns.
+/// The launch geometry shared by the kernels: a cube per `TILE` rows of a head, a unit per row.
 struct Launch {
     heads: usize,
     seq: usize,
@@ -370,7 +457,7 @@ impl Launch {
     }
 
     fn cube_dim(&self) -> CubeDim {
-        CubeDim::new_2d(self.d.div_ceil(CHUNK) as u32, TILE as u32)
+        CubeDim::new_1d(TILE as u32)
     }
 }
 
@@ -394,8 +481,7 @@ pub fn forward<R: CubeRuntime>(
     let logsumexp = empty_like(&query, Shape::new([batch, heads, seq]), DType::F32);
     let dtype = query.dtype;
     // SAFETY: every index is below `heads·seq·d` of contiguous tensors of the shapes the kernel
-    // assumes (rows and key rows are clamped to `seq − 1`, columns to `d − 1` on reads and
-    // skipped past `d` on writes).
+    // assumes (rows and key rows are clamped to `seq − 1`, columns run below `d`).
     unsafe {
         flash_forward_kernel::launch_unchecked(
             &query.client.clone(),
@@ -409,7 +495,7 @@ pub fn forward<R: CubeRuntime>(
             launch.seq,
             launch.scale,
             launch.d,
-            TILE,
+            row_width(launch.d),
             causal,
             dtype.into(),
         )
@@ -443,6 +529,7 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
             delta.clone().into_tensor_arg(),
             rows,
             launch.d,
+            row_width(launch.d),
             dtype.into(),
         );
         flash_backward_kv_kernel::launch_unchecked(
@@ -460,7 +547,7 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
             launch.seq,
             launch.scale,
             launch.d,
-            TILE,
+            row_width(launch.d),
             causal,
             dtype.into(),
         );
@@ -478,7 +565,7 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
             launch.seq,
             launch.scale,
             launch.d,
-            TILE,
+            row_width(launch.d),
             causal,
             dtype.into(),
         );

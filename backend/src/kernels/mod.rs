@@ -9,7 +9,6 @@
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 
 pub mod attention;
-mod dot;
 pub mod flash;
 pub mod matmul;
 pub mod probe;
