@@ -481,7 +481,9 @@ pub fn forward<R: CubeRuntime>(
     let logsumexp = empty_like(&query, Shape::new([batch, heads, seq]), DType::F32);
     let dtype = query.dtype;
     // SAFETY: every index is below `heads·seq·d` of contiguous tensors of the shapes the kernel
-    // assumes (rows and key rows are clamped to `seq − 1`, columns run below `d`).
+    // assumes (rows and key rows are clamped to `seq − 1`; columns are clamped to `d − 1` on
+    // reads, where the padding of a row past `d` reads the last column, and skipped past `d` on
+    // writes).
     unsafe {
         flash_forward_kernel::launch_unchecked(
             &query.client.clone(),
