@@ -49,9 +49,10 @@ fi
 
 # The kernels' correctness on CUDA, in f32, f16 and bf16 (bf16 is skipped on lavapipe): the
 # attention's output and three gradients against decomposed attention at every tested shape, the
-# matmul against f64 and bitwise on small integers.
-run "CubeCL kernel tests on CUDA (attention, mixed-precision matmul)" \
-    bash -o pipefail -c "cargo test --release --features cuda -p wildfire-backend --test flash_attention --test mixed_matmul 2>&1 | tee $log"
+# matmul against f64 and bitwise on small integers, the fused bias + GELU and its gradients
+# against f64.
+run "CubeCL kernel tests on CUDA (attention, mixed-precision matmul, bias + GELU)" \
+    bash -o pipefail -c "cargo test --release --features cuda -p wildfire-backend --test flash_attention --test mixed_matmul --test bias_gelu 2>&1 | tee $log"
 if grep -q "skipped:" "$log"; then note "SKIP  some kernel cases: $(grep -m1 -o 'skipped:.*' "$log")"; fi
 
 # The kernels on CUDA: their output against Burn's (the bench's `difference`, checked within a few

@@ -13,9 +13,13 @@ pub use decorator::Parallel;
 
 use collective::CollectiveBackend;
 use kernels::attention::FusedAttentionBackend;
+use kernels::bias_gelu::FusedBiasGeluBackend;
 
 /// What the decorator gives a backend: collectives and fused kernels. `Parallel<B>` and
 /// `Autodiff<Parallel<B>>` are decorated backends; a model written for one runs on both.
-pub trait DecoratedBackend: CollectiveBackend + FusedAttentionBackend {}
+pub trait DecoratedBackend:
+    CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend
+{
+}
 
-impl<B: CollectiveBackend + FusedAttentionBackend> DecoratedBackend for B {}
+impl<B: CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend> DecoratedBackend for B {}

@@ -1,5 +1,6 @@
 //! `activations`: peak memory and step time of training under each activation-checkpointing
-//! mode (none, full, selective) on the tiny and gpt2 presets, measured side by side in one
+//! mode (none, full, selective), and without checkpointing on the decomposed ops instead of
+//! the fused ones, on the tiny and gpt2 presets, measured side by side in one
 //! process by the counting allocator: the run's `activation_peak_mib` metric (the peak heap
 //! growth during a step's forwards and backwards: kept activations, the backward's transients
 //! and the gradients), and the whole run's peak heap (which on a large model is set by the model
@@ -28,10 +29,14 @@ pub struct ActivationArgs {
     tiny_only: bool,
 }
 
-const MODES: [ActivationCheckpointing; 3] = [
-    ActivationCheckpointing::None,
-    ActivationCheckpointing::Full,
-    ActivationCheckpointing::Selective,
+/// The measurements of each shape: every checkpointing mode with the fused ops (the default),
+/// then no checkpointing with the decomposed ops (`train.fused_ops = false`), which shows what
+/// the fused ops' backward keeps less of.
+const RUNS: [(ActivationCheckpointing, bool); 4] = [
+    (ActivationCheckpointing::None, true),
+    (ActivationCheckpointing::Full, true),
+    (ActivationCheckpointing::Selective, true),
+    (ActivationCheckpointing::None, false),
 ];
 
 #[derive(Debug, Serialize)]
@@ -63,8 +68,8 @@ pub fn run(args: ActivationArgs) -> anyhow::Result<()> {
             continue;
         }
         let first = rows.len();
-        for mode in MODES {
-            let row = measure(preset, context, micro_batch, mode, args.steps)?;
+        for (mode, fused_ops) in RUNS {
+            let row = measure(preset, context, micro_batch, mode, fused_ops, args.steps)?;
             rows.push(row);
         }
         let (memory, time) = (rows[first].activation_peak_mib, rows[first].step_ms);
@@ -104,10 +109,11 @@ fn measure(
     context: usize,
     micro_batch: usize,
     mode: ActivationCheckpointing,
+    fused_ops: bool,
     steps: u64,
 ) -> anyhow::Result<Row> {
     let dir = std::env::temp_dir().join(format!(
-        "wildfire-activations-bench-{}-{preset}-{mode}",
+        "wildfire-activations-bench-{}-{preset}-{mode}-{fused_ops}",
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&dir);
@@ -121,6 +127,7 @@ fn measure(
         "checkpoint.every=0".into(),
         "run.log_every=1000000".into(),
         format!("train.activation_checkpointing={:?}", mode.to_string()),
+        format!("train.fused_ops={fused_ops}"),
     ];
     let config = RunConfig::load(None, &overrides)?;
     let before = HEAP.current();
@@ -143,7 +150,10 @@ fn measure(
         preset,
         context,
         micro_batch,
-        mode: mode.to_string(),
+        mode: match fused_ops {
+            true => mode.to_string(),
+            false => format!("{mode}, decomposed ops"),
+        },
         run_peak_mib,
         activation_peak_mib,
         step_ms,

@@ -10,6 +10,8 @@
 //! - **matmul**: the mixed-precision matmul (inputs in the compute type, f32 accumulation,
 //!   output in the compute type) against Burn's matmul in the same type, `2·m·n·k` FLOPs; and
 //!   with its bias + GELU epilogue against Burn's matmul followed by the same two ops.
+//! - **bias + GELU forward+backward**: the fused op (`kernels::bias_gelu`, one kernel each way)
+//!   against the same ops in Burn under autodiff; elementwise, so times only.
 //!
 //! The attention forward and the plain matmul are also compared with Burn's output (`difference`:
 //! max |ours − Burn's| / max |Burn's|). With `--targets` it checks the GPU targets (attention
@@ -28,6 +30,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use wildfire_backend::Parallel;
 use wildfire_backend::kernels::attention::fused_attention;
+use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
 use wildfire_backend::kernels::probe;
@@ -131,6 +134,7 @@ fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()
         records.extend(attention_records::<B>(args, device, dtype, causal));
     }
     records.extend(matmul_records::<B>(args, device, dtype));
+    records.push(bias_gelu_record::<B>(args, device, dtype));
     report(&records, args.json)?;
     if args.targets {
         check_targets(&records, dtype, args.peak_tflops)?;
@@ -344,6 +348,51 @@ fn matmul_records<B: Backend>(
     ]
 }
 
+/// The fused bias + GELU's forward and backward (`bias_gelu` on `Autodiff<Parallel<B>>`, one
+/// kernel each way) against the same computation in Burn ops on `Autodiff<B>`, on an MLP hidden
+/// of `[matmul_size, 4·matmul_size]` with its input and bias both needing gradients.
+/// Elementwise work: no FLOPs are counted.
+fn bias_gelu_record<B: Backend>(
+    args: &KernelArgs,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Record {
+    let shape = [args.matmul_size, 4 * args.matmul_size];
+    let normal = Distribution::Normal(0.0, 1.0);
+    let x = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
+    let output_grad = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
+    let bias = Tensor::<B, 1>::random([shape[1]], normal, device);
+    let decorated = |t: Tensor<B, 2>| {
+        Tensor::<Autodiff<Parallel<B>>, 2>::from_inner(Tensor::from_primitive(
+            TensorPrimitive::Float(t.into_primitive().tensor()),
+        ))
+    };
+    let decorated_bias = || {
+        Tensor::<Autodiff<Parallel<B>>, 1>::from_inner(Tensor::from_primitive(
+            TensorPrimitive::Float(bias.clone().into_primitive().tensor()),
+        ))
+        .require_grad()
+    };
+    let times = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let y = bias_gelu(decorated(x.clone()).require_grad(), decorated_bias());
+            let _ = (y * decorated(output_grad.clone())).sum().backward();
+        },
+        || {
+            let leaf = Tensor::<Autodiff<B>, 2>::from_inner(x.clone()).require_grad();
+            let bias = Tensor::<Autodiff<B>, 1>::from_inner(bias.clone()).require_grad();
+            let z = leaf.cast(FloatDType::F32) + bias.unsqueeze();
+            let y = gelu_tanh_f32(z).cast(dtype);
+            let _ = (y * Tensor::from_inner(output_grad.clone()))
+                .sum()
+                .backward();
+        },
+    );
+    record("bias+gelu fwd+bwd", format!("{shape:?}"), dtype, 0.0, times)
+}
+
 fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
     if json {
         for record in records {
@@ -363,16 +412,21 @@ fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
         "speedup",
         "difference"
     );
+    // Elementwise records count no FLOPs.
+    let tflops = |value: f64| match value {
+        0.0 => "-".to_string(),
+        value => format!("{value:.4}"),
+    };
     for r in records {
         println!(
-            "{:<18} {:<30} {:>5} {:>10.3} {:>10.3} {:>9.4} {:>9.4} {:>8.2} {:>10}",
+            "{:<18} {:<30} {:>5} {:>10.3} {:>10.3} {:>9} {:>9} {:>8.2} {:>10}",
             r.op,
             r.shape,
             r.dtype,
             r.ours_ms,
             r.burn_ms,
-            r.ours_tflops,
-            r.burn_tflops,
+            tflops(r.ours_tflops),
+            tflops(r.burn_tflops),
             r.speedup,
             r.difference.map_or("-".to_string(), |d| format!("{d:.1e}"))
         );

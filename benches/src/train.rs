@@ -83,6 +83,7 @@ fn train_config() -> TrainSection {
         eval_every: 0,
         eval_batches: 0,
         activation_checkpointing: Default::default(),
+        fused_ops: true,
     }
 }
 

@@ -156,6 +156,17 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, CommError> {
+        self.forward_with(x, add_bias)
+    }
+
+    /// [`forward`](Self::forward) with `epilogue(X A_r, b_r)` in place of the bias add, for an
+    /// elementwise op fused with it (the GPT's bias + GELU): `X A_r` in `X`'s type, `b_r` the
+    /// fp32 bias part as it is.
+    pub fn forward_with<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        epilogue: impl FnOnce(Tensor<B, D>, Option<Tensor<B, 1>>) -> Tensor<B, D>,
+    ) -> Result<Tensor<B, D>, CommError> {
         let group = group_of(&self.group);
         let x = if self.sequence_parallel {
             all_gather_from_sequence_region(x, group, 1)?
@@ -163,14 +174,26 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
             copy_to_parallel_region(x, group)?
         };
         let dtype = FloatDType::from(x.dtype());
-        let mut y = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
-        if let Some(bias) = &self.bias {
-            y = y + in_dtype(bias.val(), dtype).unsqueeze();
+        let product = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
+        let y = epilogue(product, self.bias.as_ref().map(Param::val));
+        match self.gather_output {
+            true => gather_from_parallel_region(y, group, D - 1),
+            false => Ok(y),
         }
-        if self.gather_output {
-            y = gather_from_parallel_region(y, group, D - 1)?;
+    }
+}
+
+/// `y + b` in `y`'s type (the bias cast to it); `y` without a bias.
+fn add_bias<B: Backend, const D: usize>(
+    y: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    match bias {
+        Some(bias) => {
+            let dtype = FloatDType::from(y.dtype());
+            y + in_dtype(bias, dtype).unsqueeze()
         }
-        Ok(y)
+        None => y,
     }
 }
 
@@ -202,15 +225,12 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
         let dtype = FloatDType::from(x.dtype());
         let partial = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
         let group = group_of(&self.group);
-        let mut y = if self.sequence_parallel {
+        let y = if self.sequence_parallel {
             reduce_scatter_to_sequence_region(partial, group, 1)?
         } else {
             reduce_from_parallel_region(partial, group)?
         };
-        if let Some(bias) = &self.bias {
-            y = y + in_dtype(bias.val(), dtype).unsqueeze();
-        }
-        Ok(y)
+        Ok(add_bias(y, self.bias.as_ref().map(Param::val)))
     }
 }
 

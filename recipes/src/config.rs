@@ -149,6 +149,16 @@ pub struct TrainSection {
     /// Which activations the backward recomputes instead of keeping them.
     #[serde(default)]
     pub activation_checkpointing: ActivationCheckpointing,
+    /// The model's fused ops, each with its fused backward: attention (where it has no
+    /// dropout) and the MLP's bias + GELU. `false` runs them as decomposed ops instead, to
+    /// compare or to rule the fusions out (Megatron-LM's `--no-masked-softmax-fusion` and
+    /// `--no-bias-gelu-fusion` together).
+    #[serde(default = "fused_ops_default")]
+    pub fused_ops: bool,
+}
+
+fn fused_ops_default() -> bool {
+    true
 }
 
 /// Activation checkpointing: which activations of the forward are recomputed in the backward

@@ -192,50 +192,13 @@ fn rounded_product<B: Backend>(
 mod cube {
     use burn::tensor::{DType, Shape};
     use burn_cubecl::CubeRuntime;
+    use burn_cubecl::kernel::cast;
     use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
-    use burn_cubecl::kernel::{cast, into_contiguous};
-    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
-    use cubecl::calculate_cube_count_elemwise;
-    use cubecl::prelude::*;
 
     use super::MixedMatmul;
+    use crate::kernels::bias_gelu::cube::epilogue;
     use crate::kernels::route::CubeKernel;
-
-    /// `x` is finite and `e^x` does not overflow f32 below this; GELU's exponent is clamped to it.
-    const GELU_EXPONENT_CLAMP: f32 = 80.0;
-
-    /// GPT-2's GELU in f32 (the form of `gelu_tanh_f32`).
-    #[cube]
-    fn gelu(x: f32) -> f32 {
-        let exponent = -2.0f32 * 0.797_884_6f32 * (x + 0.044715f32 * x * x * x);
-        x / (1.0f32 + min(exponent, f32::new(GELU_EXPONENT_CLAMP)).exp())
-    }
-
-    /// The epilogue, one unit per output element of the f32 product `[.., m, n]`:
-    /// `out[i] = O(g(product[i] + bias[i mod n]))`.
-    #[cube(launch_unchecked)]
-    fn epilogue_kernel<O: Float>(
-        product: &Tensor<f32>,
-        bias: &Tensor<f32>,
-        out: &mut Tensor<O>,
-        columns: usize,
-        #[comptime] has_bias: bool,
-        #[comptime] apply_gelu: bool,
-        #[define(O)] _dtype: StorageType,
-    ) {
-        let index = ABSOLUTE_POS;
-        if index < out.len() {
-            let mut value = product[index];
-            if has_bias {
-                value += bias[index % columns];
-            }
-            if apply_gelu {
-                value = gelu(value);
-            }
-            out[index] = O::cast_from(value);
-        }
-    }
 
     /// The CubeCL path on `lhs [.., m, k]`, `rhs [.., k, n]` and `bias [n]`, or why it does not
     /// take them: a dtype outside f32, f16 and bf16 or one the device lacks, an empty dim, batch
@@ -263,57 +226,7 @@ mod cube {
         if !has_epilogue {
             return Ok(product);
         }
-        Ok(epilogue(product, bias, columns, spec))
-    }
-
-    /// [`epilogue_kernel`] on the f32 `product`, whose last dim has `columns` elements.
-    fn epilogue<R: CubeRuntime>(
-        product: CubeTensor<R>,
-        bias: Option<CubeTensor<R>>,
-        columns: usize,
-        spec: MixedMatmul,
-    ) -> CubeTensor<R> {
-        let product = into_contiguous(product);
-        let client = product.client.clone();
-        let has_bias = bias.is_some();
-        // Without a bias the kernel reads none; one element stands in for the binding.
-        let bias = match bias {
-            Some(bias) => into_contiguous(cast(bias, DType::F32)),
-            None => empty_device_contiguous_dtype(
-                client.clone(),
-                product.device.clone(),
-                Shape::new([1]),
-                DType::F32,
-            ),
-        };
-        let output = DType::from(spec.output);
-        let out = empty_device_contiguous_dtype(
-            client.clone(),
-            product.device.clone(),
-            product.meta.shape().clone(),
-            output,
-        );
-        let elements = out.meta.shape().num_elements();
-        let cube_dim = CubeDim::new(&client, elements);
-        let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
-        // SAFETY: `product` and `out` are contiguous with the same shape, the kernel writes only
-        // indices below `out.len()`, and reads `bias` (of `columns` elements, checked) modulo
-        // `columns` only when there is one.
-        unsafe {
-            epilogue_kernel::launch_unchecked(
-                &client,
-                cubes,
-                cube_dim,
-                product.into_tensor_arg(),
-                bias.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                columns,
-                has_bias,
-                spec.gelu,
-                output.into(),
-            )
-        };
-        out
+        Ok(epilogue(product, bias, columns, spec.gelu, output))
     }
 
     /// [`kernel`] for the router: `None` (logged) sends the call to the reference.

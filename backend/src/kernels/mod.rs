@@ -2,6 +2,8 @@
 //!
 //! - [`attention`]: FlashAttention-2's forward and backward, as a reference in Burn tensor ops,
 //!   and the autodiff op that runs them.
+//! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (kernels and reference), and its
+//!   autodiff op.
 //! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
@@ -9,6 +11,7 @@
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 
 pub mod attention;
+pub mod bias_gelu;
 pub mod flash;
 pub mod matmul;
 pub mod probe;
@@ -38,10 +41,21 @@ pub fn in_dtype<B: Backend, const D: usize>(
 /// The exponent is clamped at 80: for very negative x (below −9.5) `exp` would overflow to +∞,
 /// and although the quotient's limit is the right −0, a backward would multiply the overflowed
 /// `exp` by a zero gradient, NaN. At the clamp the quotient is already below 1e-33 in
-/// magnitude. The matmul kernel's epilogue computes the same form.
+/// magnitude. The kernels of [`bias_gelu`] compute the same form.
 pub fn gelu_tanh_f32<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    const MINUS_TWO_SQRT_2_OVER_PI: f64 = -2.0 * 0.797_884_560_802_865_4;
+    let exponent = gelu_exponent(x.clone());
+    x / (exponent.clamp_max(GELU_EXPONENT_CLAMP).exp() + 1.0)
+}
+
+/// `√(2/π)`, GELU's `c`.
+const GELU_C: f64 = 0.797_884_560_802_865_4;
+/// GELU's cubic coefficient `a`.
+const GELU_A: f64 = 0.044715;
+/// Where GELU's exponent is clamped (see [`gelu_tanh_f32`]).
+const GELU_EXPONENT_CLAMP: f64 = 80.0;
+
+/// GELU's exponent `−2c(x + a·x³)`, with `x³` as products.
+fn gelu_exponent<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let cube = x.clone() * x.clone() * x.clone();
-    let exponent = (x.clone() + cube * 0.044715) * MINUS_TWO_SQRT_2_OVER_PI;
-    x / (exponent.clamp_max(80.0).exp() + 1.0)
+    (x + cube * GELU_A) * (-2.0 * GELU_C)
 }

@@ -21,6 +21,7 @@ use wildfire_backend::collective::{
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
 use wildfire_backend::kernels::attention::fused_attention;
+use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
@@ -145,6 +146,32 @@ impl<B: DecoratedBackend> GptLinear<B> {
             Self::Row(linear) => collective(linear.forward(x)),
         }
     }
+
+    /// `gelu_tanh(self.forward(x))`, with the bias add and GELU fused into one op each way
+    /// ([`bias_gelu`]) where this rank computes whole output columns: a whole or a
+    /// column-parallel layer. A row-parallel layer's output is a sum over ranks, which GELU
+    /// must follow, so there the two run unfused.
+    pub fn forward_gelu<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Self::Whole(linear) => {
+                let weight = in_dtype(linear.weight.val(), FloatDType::from(x.dtype()));
+                let product = burn::tensor::module::linear(x, weight, None);
+                fused_bias_gelu(product, linear.bias.as_ref().map(Param::val))
+            }
+            Self::Column(linear) => collective(linear.forward_with(x, fused_bias_gelu)),
+            Self::Row(_) => gelu_tanh(self.forward(x)),
+        }
+    }
+}
+
+/// `g(y + b)` as the fused op, `b` the fp32 bias as it is (the op computes in f32); a zero bias
+/// stands in for none (it is no parameter, so no gradient is computed for it).
+fn fused_bias_gelu<B: DecoratedBackend, const D: usize>(
+    y: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let bias = bias.unwrap_or_else(|| Tensor::zeros([y.dims()[D - 1]], &y.device()));
+    bias_gelu(y, bias)
 }
 
 impl<B: Backend> GptLinear<B> {
@@ -230,6 +257,10 @@ pub struct Mlp<B: Backend> {
     pub c_fc: GptLinear<B>,
     pub c_proj: GptLinear<B>,
     pub dropout: Dropout,
+    /// Whether `c_fc`'s bias add and the GELU run as one fused op with its fused backward
+    /// ([`GptLinear::forward_gelu`]) rather than as decomposed ops.
+    #[module(skip)]
+    pub fused: bool,
 }
 
 /// Pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
@@ -339,6 +370,7 @@ impl<B: Backend> Block<B> {
                 c_fc: linear([d, 4 * d], config.bias, INIT_STD, device),
                 c_proj: linear([4 * d, d], config.bias, resid_std, device),
                 dropout: dropout(config),
+                fused: true,
             },
         }
     }
@@ -461,7 +493,10 @@ pub fn causal_attention<B: Backend>(
 
 impl<B: DecoratedBackend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
-        let hidden = gelu_tanh(self.c_fc.forward(x));
+        let hidden = match self.fused {
+            true => self.c_fc.forward_gelu(x),
+            false => gelu_tanh(self.c_fc.forward(x)),
+        };
         let y = self.c_proj.forward(hidden);
         let part = sequence_part(tp, y.dims()[1]);
         dropout_part(&self.dropout, y, part)
@@ -522,11 +557,13 @@ impl<B: Backend> Gpt<B> {
         model
     }
 
-    /// The same model with fused attention on or off (see `CausalSelfAttention::fused`; it
-    /// stays off where the attention weights have dropout).
-    pub fn with_fused_attention(mut self, on: bool) -> Self {
+    /// The same model with its fused ops on or off: the attention core (see
+    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout) and
+    /// the MLP's bias + GELU (see `Mlp::fused`).
+    pub fn with_fused_ops(mut self, on: bool) -> Self {
         for block in &mut self.blocks {
             block.attn.fused = on;
+            block.mlp.fused = on;
         }
         self
     }

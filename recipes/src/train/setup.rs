@@ -319,6 +319,7 @@ fn run_rank<B: TrainBackend>(
         B::seed(&device, config.train.seed);
         let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
             .with_precision(config.precision.compute)
+            .with_fused_ops(config.train.fused_ops)
             .with_recomputed_blocks(
                 config.train.activation_checkpointing == ActivationCheckpointing::Full,
             );

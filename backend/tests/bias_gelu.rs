@@ -1,0 +1,247 @@
+//! The fused bias + GELU (`kernels::bias_gelu`) against GPT-2's GELU and its derivative in f64:
+//! the CubeCL kernels directly on wgpu (Mesa's lavapipe on CI; and CUDA in a `--features cuda`
+//! build, `scripts/gpu-check.sh`), and the autodiff op, forward and both gradients, on
+//! `Autodiff<Parallel<Flex>>` (the reference) and on the kernel backends.
+//!
+//! Inputs are `[2, 19, 37]` (37 columns, so no row is a multiple of anything) with values in
+//! [−6, 6], biases in [−1, 1], plus values where the clamp of GELU's exponent holds (−20, −1e4)
+//! and where the slope is 1 (20). Tolerances, elementwise against the f64 value `e` from the
+//! same (rounded) inputs: `|got − e| ≤ 2⁻¹⁷(1 + |e|)` for evaluating GELU's exp-and-quotient form
+//! in f32 (an `exp` of an argument up to 80 in magnitude, correct to a few ulps of the
+//! argument), plus the output type's unit roundoff times `|e|` (2⁻¹¹ for f16); the bias gradient
+//! is a sum of 38 such f32 terms, allowed 38 times the bound.
+//!
+//! bf16 has no WGSL type, so on lavapipe the bf16 kernel cases report themselves skipped.
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use wildfire_backend::Parallel;
+use wildfire_backend::kernels::bias_gelu::{
+    FusedBiasGeluBackend, backward_kernel, bias_gelu, forward_kernel,
+};
+
+mod common;
+use common::{KernelBackend, has_dtype};
+
+const SHAPE: [usize; 3] = [2, 19, 37];
+const ROWS: usize = SHAPE[0] * SHAPE[1];
+const COLUMNS: usize = SHAPE[2];
+
+/// `√(2/π)` and the cubic coefficient of GPT-2's GELU.
+const C: f64 = 0.797_884_560_802_865_4;
+const A: f64 = 0.044715;
+
+/// GPT-2's GELU, `½z(1 + tanh(c(z + a·z³)))`, in f64.
+fn gelu(z: f64) -> f64 {
+    0.5 * z * (1.0 + (C * (z + A * z * z * z)).tanh())
+}
+
+/// Its derivative, `½(1 + tanh u) + ½z(1 − tanh²u)·c(1 + 3a·z²)`, in f64.
+fn gelu_slope(z: f64) -> f64 {
+    let t = (C * (z + A * z * z * z)).tanh();
+    0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * C * (1.0 + 3.0 * A * z * z)
+}
+
+/// A deterministic stream of `count` values in [−bound, bound) (xorshift).
+fn values(count: usize, seed: u64, bound: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
+        })
+        .collect()
+}
+
+/// The inputs `x`, `bias` and output gradient `dy` (f32 values), with the clamped and saturated
+/// values in the first row.
+fn inputs() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut x = values(ROWS * COLUMNS, 3, 6.0);
+    x[..3].copy_from_slice(&[-20.0, -1e4, 20.0]);
+    (x, values(COLUMNS, 5, 1.0), values(ROWS * COLUMNS, 7, 1.0))
+}
+
+/// `x` rounded to `dtype`, as f64.
+fn rounded(x: f32, dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => half::f16::from_f32(x).to_f64(),
+        FloatDType::BF16 => half::bf16::from_f32(x).to_f64(),
+        _ => f64::from(x),
+    }
+}
+
+fn unit_roundoff(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => 2f64.powi(-11),
+        FloatDType::BF16 => 2f64.powi(-8),
+        _ => 0.0,
+    }
+}
+
+/// The exact `y = g(x + b)`, `dx = dy·g'(x + b)` and `db = Σ_rows dx` from the inputs rounded to
+/// `dtype` (the bias stays f32, as the GPT passes it).
+fn exact(dtype: FloatDType) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (x, bias, grad) = inputs();
+    let z = |i: usize| rounded(x[i], dtype) + f64::from(bias[i % COLUMNS]);
+    let y = (0..x.len()).map(|i| gelu(z(i))).collect();
+    let dx: Vec<f64> = (0..x.len())
+        .map(|i| rounded(grad[i], dtype) * gelu_slope(z(i)))
+        .collect();
+    let db = (0..COLUMNS)
+        .map(|j| (0..ROWS).map(|r| dx[r * COLUMNS + j]).sum())
+        .collect();
+    (y, dx, db)
+}
+
+/// `got` against `exact` elementwise, allowing `scale` times the f32 evaluation bound plus
+/// `roundoff·|e|`; the failures, described.
+fn compare(what: &str, got: TensorData, exact: &[f64], roundoff: f64, scale: f64) -> Vec<String> {
+    let got: Vec<f32> = got.convert::<f32>().to_vec().unwrap();
+    assert_eq!(got.len(), exact.len(), "{what}: length");
+    got.iter()
+        .zip(exact)
+        .enumerate()
+        .filter_map(|(i, (&g, &e))| {
+            let bound = scale * 2f64.powi(-17) * (1.0 + e.abs()) + roundoff * e.abs();
+            let error = (f64::from(g) - e).abs();
+            // A NaN error fails too.
+            let within = error <= bound;
+            (!within).then(|| format!("{what}[{i}]: {g} for {e} (bound {bound:.1e})"))
+        })
+        .take(5)
+        .collect()
+}
+
+fn tensor<B: Backend, const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
+}
+
+/// The kernels on primitives: forward in `dtype`, and the f32 input gradient.
+fn kernels_match_f64<B: KernelBackend>(dtype: FloatDType) {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    if !has_dtype::<B>(&device, dtype.into()) {
+        return;
+    }
+    let (x, bias, grad) = inputs();
+    let x = tensor::<B, 2>(&x, [ROWS, COLUMNS], &device).cast(dtype);
+    let grad = tensor::<B, 2>(&grad, [ROWS, COLUMNS], &device).cast(dtype);
+    let bias = tensor::<B, 1>(&bias, [COLUMNS], &device);
+    let primitive = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let bias_primitive = bias.into_primitive().tensor();
+    let y = forward_kernel(primitive(x.clone()), bias_primitive.clone()).expect("forward kernel");
+    let dx = backward_kernel(primitive(x), bias_primitive, primitive(grad)).expect("backward");
+    let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y));
+    assert_eq!(
+        y.dtype(),
+        DType::from(dtype),
+        "the output keeps the input's type"
+    );
+    let dx = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dx));
+    assert_eq!(dx.dtype(), DType::F32);
+    let (exact_y, exact_dx, _) = exact(dtype);
+    let what = format!("{} {dtype:?}", B::name(&device));
+    let mut failures = compare(
+        &format!("{what} y"),
+        y.into_data(),
+        &exact_y,
+        unit_roundoff(dtype),
+        1.0,
+    );
+    failures.extend(compare(
+        &format!("{what} dx"),
+        dx.into_data(),
+        &exact_dx,
+        0.0,
+        1.0,
+    ));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_kernels_match_gelu_and_its_slope_in_f64() {
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        on_kernel_backends!(kernels_match_f64(dtype));
+    }
+}
+
+/// The autodiff op on backend `A`: `y`, `dx` and `db` against f64, for inputs in `dtype`.
+fn autodiff_op_matches_f64<A: AutodiffBackend + FusedBiasGeluBackend>(
+    device: &A::Device,
+    dtype: FloatDType,
+) {
+    let (x, bias, grad) = inputs();
+    let x = tensor::<A, 3>(&x, SHAPE, device).cast(dtype).require_grad();
+    let bias = tensor::<A, 1>(&bias, [COLUMNS], device).require_grad();
+    let grad = tensor::<A, 3>(&grad, SHAPE, device).cast(dtype);
+    let y = bias_gelu(x.clone(), bias.clone());
+    assert_eq!(y.dtype(), DType::from(dtype));
+    let grads = (y.clone().cast(FloatDType::F32) * grad.cast(FloatDType::F32))
+        .sum()
+        .backward();
+    let dx = x.grad(&grads).expect("x has a gradient");
+    let db = bias.grad(&grads).expect("the bias has a gradient");
+    assert_eq!(dx.dtype(), DType::from(dtype), "dx comes back in x's type");
+    assert_eq!(db.dtype(), DType::F32, "db comes back in the bias's type");
+    let (exact_y, exact_dx, exact_db) = exact(dtype);
+    let u = unit_roundoff(dtype);
+    let what = format!("{} {dtype:?}", A::name(device));
+    let mut failures = compare(&format!("{what} y"), y.into_data(), &exact_y, u, 1.0);
+    failures.extend(compare(
+        &format!("{what} dx"),
+        dx.into_data(),
+        &exact_dx,
+        u,
+        1.0,
+    ));
+    failures.extend(compare(
+        &format!("{what} db"),
+        db.into_data(),
+        &exact_db,
+        0.0,
+        ROWS as f64,
+    ));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_reference_op_matches_f64() {
+    type A = Autodiff<Parallel<Flex>>;
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        autodiff_op_matches_f64::<A>(&Default::default(), dtype);
+    }
+}
+
+fn kernel_op_matches_f64<B: KernelBackend>() {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        if has_dtype::<B>(&device, dtype.into()) {
+            autodiff_op_matches_f64::<Autodiff<Parallel<B>>>(&device, dtype);
+        }
+    }
+}
+
+#[test]
+fn the_kernel_op_matches_f64() {
+    on_kernel_backends!(kernel_op_matches_f64());
+}
+
+/// A bias that is not one value per column is refused, naming both shapes.
+#[test]
+#[should_panic(expected = "bias_gelu: bias [36] for input [2, 19, 37]")]
+fn a_mismatched_bias_is_named() {
+    type A = Autodiff<Parallel<Flex>>;
+    let device = Default::default();
+    let x = Tensor::<A, 3>::zeros(SHAPE, &device);
+    let _ = bias_gelu(x, Tensor::zeros([COLUMNS - 1], &device));
+}
