@@ -22,37 +22,22 @@ use wildfire_backend::kernels::bias_gelu::{
 };
 
 mod common;
-use common::{KernelBackend, has_dtype};
+use common::{GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
 
 const SHAPE: [usize; 3] = [2, 19, 37];
 const ROWS: usize = SHAPE[0] * SHAPE[1];
 const COLUMNS: usize = SHAPE[2];
 
-/// `√(2/π)` and the cubic coefficient of GPT-2's GELU.
-const C: f64 = 0.797_884_560_802_865_4;
-const A: f64 = 0.044715;
-
-/// GPT-2's GELU, `½z(1 + tanh(c(z + a·z³)))`, in f64.
-fn gelu(z: f64) -> f64 {
-    0.5 * z * (1.0 + (C * (z + A * z * z * z)).tanh())
-}
-
-/// Its derivative, `½(1 + tanh u) + ½z(1 − tanh²u)·c(1 + 3a·z²)`, in f64.
+/// GELU's derivative, `½(1 + tanh u) + ½z(1 − tanh²u)·c(1 + 3a·z²)`, in f64.
 fn gelu_slope(z: f64) -> f64 {
-    let t = (C * (z + A * z * z * z)).tanh();
-    0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * C * (1.0 + 3.0 * A * z * z)
+    let t = (GELU_C * (z + GELU_A * z * z * z)).tanh();
+    0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * z * z)
 }
 
-/// A deterministic stream of `count` values in [−bound, bound) (xorshift).
+/// A deterministic stream of `count` values in [−bound, bound).
 fn values(count: usize, seed: u64, bound: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
-        })
+    uniform(count, seed)
+        .map(|unit| (unit * 2.0 - 1.0) * bound)
         .collect()
 }
 
@@ -62,23 +47,6 @@ fn inputs() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut x = values(ROWS * COLUMNS, 3, 6.0);
     x[..3].copy_from_slice(&[-20.0, -1e4, 20.0]);
     (x, values(COLUMNS, 5, 1.0), values(ROWS * COLUMNS, 7, 1.0))
-}
-
-/// `x` rounded to `dtype`, as f64.
-fn rounded(x: f32, dtype: FloatDType) -> f64 {
-    match dtype {
-        FloatDType::F16 => half::f16::from_f32(x).to_f64(),
-        FloatDType::BF16 => half::bf16::from_f32(x).to_f64(),
-        _ => f64::from(x),
-    }
-}
-
-fn unit_roundoff(dtype: FloatDType) -> f64 {
-    match dtype {
-        FloatDType::F16 => 2f64.powi(-11),
-        FloatDType::BF16 => 2f64.powi(-8),
-        _ => 0.0,
-    }
 }
 
 /// The exact `y = g(x + b)`, `dx = dy·g'(x + b)` and `db = Σ_rows dx` from the inputs rounded to

@@ -26,7 +26,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::kernels::matmul::{self, MixedMatmul, mixed_matmul};
 
 mod common;
-use common::{KernelBackend, has_dtype};
+use common::{KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
 
 /// `[lhs batch, m, k] × [rhs batch, k, n]`; a batch of 1 broadcasts.
 #[derive(Clone, Copy, Debug)]
@@ -72,41 +72,12 @@ enum Data {
 
 /// A deterministic stream of `count` values (xorshift).
 fn values(count: usize, seed: u64, data: Data, bound: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-            match data {
-                Data::Random => (unit * 2.0 - 1.0) * bound,
-                Data::SmallIntegers => ((unit * (2.0 * bound + 1.0)).floor() - bound).max(-bound),
-            }
+    uniform(count, seed)
+        .map(|unit| match data {
+            Data::Random => (unit * 2.0 - 1.0) * bound,
+            Data::SmallIntegers => ((unit * (2.0 * bound + 1.0)).floor() - bound).max(-bound),
         })
         .collect()
-}
-
-/// `x` rounded to `dtype`, as f64.
-fn rounded(x: f32, dtype: FloatDType) -> f64 {
-    match dtype {
-        FloatDType::F16 => half::f16::from_f32(x).to_f64(),
-        FloatDType::BF16 => half::bf16::from_f32(x).to_f64(),
-        _ => f64::from(x),
-    }
-}
-
-fn unit_roundoff(dtype: FloatDType) -> f64 {
-    match dtype {
-        FloatDType::F16 => 2f64.powi(-11),
-        FloatDType::BF16 => 2f64.powi(-8),
-        _ => 0.0,
-    }
-}
-
-/// GPT-2's GELU in f64.
-fn gelu(x: f64) -> f64 {
-    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
 struct Operands {

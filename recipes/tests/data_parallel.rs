@@ -5,17 +5,30 @@
 //! Exactness. Gradients are summed in rank order after each rank sums its micro-batches, so DDP
 //! equals serial training bitwise when every rank has one micro-batch (dp = 4 here); with two
 //! per rank, `(g₁ + g₂) + (g₃ + g₄)` is not serial's `((g₁ + g₂) + g₃) + g₄`, and AdamW, which
-//! divides by `√v̂ + ε`, turns those ulps into parameter differences of up to 2.7e-5 of the
-//! tensor's largest value after 10 steps (measured; asserted ≤ 5e-5; losses within 1e-6). ZeRO
-//! 1 and 2 reduce in DDP's order and update elementwise like DDP, but the global gradient norm
-//! sums its squares per shard where DDP sums them per tensor: the norms differ by about 1e-8
-//! relative, and where that crosses an f32 rounding of a clipped step's factor the update
-//! differs by an ulp, which AdamW carries on (measured 1.9e-7 after 10 steps, asserted ≤ 1e-6;
-//! in other trajectories 0). ZeRO 2 and offloading equal ZeRO 1 bitwise (the same norm). ZeRO 3
-//! also sums its tied embedding's two copies (the head's lives in another unit) per step,
-//! `Σe + Σh`, where DDP's autodiff sums per micro-batch: 2.0e-5 measured (asserted ≤ 5e-5);
-//! untied, 0 measured (asserted ≤ 1e-6). Parameter differences are relative to the tensor's
-//! largest value, key biases aside (see `common::is_key_bias`).
+//! divides by `√v̂ + ε`, turns those ulps into parameter differences (losses stay within 1e-6).
+//! ZeRO 1 and 2 reduce in DDP's order and update elementwise like DDP, but the global gradient
+//! norm sums its squares per shard where DDP sums them per tensor: the norms differ by about
+//! 1e-8 relative, and where that crosses an f32 rounding of a clipped step's factor the update
+//! differs by an ulp, which AdamW carries on. ZeRO 2 and offloading equal ZeRO 1 bitwise (the
+//! same norm). ZeRO 3 also sums its tied embedding's two copies (the head's lives in another
+//! unit) per step, `Σe + Σh`, where DDP's autodiff sums per micro-batch. Parameter differences
+//! are relative to the tensor's largest value, key biases aside (see `common::is_key_bias`).
+//!
+//! How far these ulps grow depends on the training trajectory, not on the parallel code, so the
+//! bounds come from several seeds, with the fused ops (the default) and with the decomposed ops
+//! (`train.fused_ops = false`), worst over 10 steps (2026-11-30):
+//!
+//! | comparison | fused: seed 1337 (here), 0, 1, 2 | decomposed: 1337, 1, 2 | asserted |
+//! |---|---|---|---|
+//! | DDP 2 × 2 micro-batches vs serial | 7.3e-5, 1.6e-5, 4.6e-5, 3.8e-5 | 2.7e-5, 4.1e-5, 1.5e-5 | ≤ 1.5e-4 |
+//! | ZeRO 1 vs DDP | 1.8e-6, 3.9e-7, 1.6e-5, 2.2e-6 | 0, 9.5e-6, 0 | ≤ 5e-5 |
+//! | ZeRO 3 vs DDP (tied) | 9.6e-6, 5.1e-6, 2.9e-5, 1.4e-5 | 7.6e-6, 3.1e-5, 1.7e-5 | ≤ 1e-4 |
+//! | ZeRO 3 vs DDP (untied) | 1.3e-7, 9.4e-8, 8.5e-7, 9.5e-8 | 0, 4.4e-7, 4.6e-7 | ≤ 2e-6 |
+//!
+//! (The bounds were 5e-5, 1e-6, 5e-5 and 1e-6, set from seed 1337 on the decomposed ops; seed 1
+//! broke the ZeRO 1 one on either path.) Bugs in the parallel code show up far above these
+//! bounds, and the bitwise checks (DDP with one micro-batch per rank, ZeRO 2 and offload against
+//! ZeRO 1, resume) hold on every seed.
 
 mod common;
 
@@ -87,7 +100,7 @@ fn assert_same_training(reference: &Path, run: &Path, what: &str, tolerance: f32
 #[test]
 fn ddp_trains_like_serial_training_on_the_concatenated_batch() {
     let serial = dp_train("dp-serial", 4, &[]);
-    for (dp, accumulation, tolerance) in [("2", 2, 5e-5), ("4", 1, 0.0)] {
+    for (dp, accumulation, tolerance) in [("2", 2, 1.5e-4), ("4", 1, 0.0)] {
         let name = format!("ddp-{dp}");
         let run = dp_train(&name, accumulation, &["--dp", dp, "--transport", "local"]);
         assert_same_training(&serial, &run, &name, tolerance);
@@ -113,15 +126,15 @@ fn every_zero_stage_trains_like_ddp() {
     );
     // (flags, compared with, tolerance): see the module doc.
     let stages: [(&[&str], &str, f32); 6] = [
-        (&["--zero", "1"], "ddp", 1e-6),
+        (&["--zero", "1"], "ddp", 5e-5),
         (&["--zero", "2"], "zero-zero1", 0.0),
         (&["--zero", "1", "--offload-optimizer"], "zero-zero1", 0.0),
-        (&["--zero", "3"], "ddp", 5e-5),
+        (&["--zero", "3"], "ddp", 1e-4),
         (&["--zero", "3", "--offload-optimizer"], "zero-zero3", 0.0),
         (
             &["--zero", "3", "--set", "model.tie_embeddings=false"],
             "ddp-untied",
-            1e-6,
+            2e-6,
         ),
     ];
     let mut runs = std::collections::HashMap::from([("ddp".to_string(), ddp)]);

@@ -35,8 +35,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use super::route::on_cube;
 use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP, gelu_exponent, gelu_tanh_f32, in_dtype};
@@ -152,6 +151,14 @@ fn bias_grad<B: Backend>(grad: FloatTensor<B>, columns: usize) -> FloatTensor<B>
     B::float_reshape(sum, Shape::new([columns]))
 }
 
+/// `t` in `dtype`, as it is when it already is.
+fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    match t.dtype() == DType::from(dtype) {
+        true => t,
+        false => B::float_cast(t, dtype),
+    }
+}
+
 impl<B: Backend> FusedBiasGeluBackend for Parallel<B> {
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
         forward_on::<Self>(x, bias)
@@ -173,17 +180,16 @@ impl<B: Backend> Backward<Parallel<B>, 2> for BiasGeluBackward {
     ) {
         let output_grad = grads.consume::<Parallel<B>>(&ops.node);
         let [x, bias] = ops.state;
-        let (x_dtype, bias_dtype) = (x.dtype().into(), bias.dtype().into());
+        let (x_dtype, bias_dtype) = (FloatDType::from(x.dtype()), FloatDType::from(bias.dtype()));
         let columns = bias.shape()[0];
         let grad = backward_on::<Parallel<B>>([x, bias, output_grad]);
         let [x_node, bias_node] = ops.parents;
-        let cast = |t, dtype| Parallel::<B>::float_cast(t, dtype);
         if let Some(node) = bias_node {
-            let bias_grad = cast(bias_grad::<Parallel<B>>(grad.clone(), columns), bias_dtype);
-            grads.register::<Parallel<B>>(node.id, bias_grad);
+            let bias_grad = bias_grad::<Parallel<B>>(grad.clone(), columns);
+            grads.register::<Parallel<B>>(node.id, cast::<Parallel<B>>(bias_grad, bias_dtype));
         }
         if let Some(node) = x_node {
-            grads.register::<Parallel<B>>(node.id, cast(grad, x_dtype));
+            grads.register::<Parallel<B>>(node.id, cast::<Parallel<B>>(grad, x_dtype));
         }
     }
 }

@@ -1,11 +1,12 @@
 //! What the kernel test binaries share: the kernel backends (wgpu, and CUDA with `--features
 //! cuda`) and their devices (or a printed skip without one), the output and input gradients of
-//! an attention, and the error measure. (Each test binary uses what it needs of it.)
+//! an attention, the error measure, deterministic test data, rounding to a half type and GPT-2's
+//! GELU in f64. (Each test binary uses what it needs of it.)
 #![allow(dead_code)]
 
 use burn::backend::Wgpu;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use wildfire_backend::kernels::probe;
@@ -93,4 +94,42 @@ pub fn relative_error(actual: TensorData, expected: TensorData) -> f32 {
         .map(|(a, e)| (a - e).abs())
         .fold(0.0f32, f32::max);
     worst / scale
+}
+
+/// A deterministic stream of `count` values in [0, 1) (xorshift), from `seed`.
+pub fn uniform(count: usize, seed: u64) -> impl Iterator<Item = f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count).map(move |_| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    })
+}
+
+/// `x` rounded to `dtype`, as f64.
+pub fn rounded(x: f32, dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => half::f16::from_f32(x).to_f64(),
+        FloatDType::BF16 => half::bf16::from_f32(x).to_f64(),
+        _ => f64::from(x),
+    }
+}
+
+/// The unit roundoff of `dtype` (0 for f32, the reference's own type).
+pub fn unit_roundoff(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => 2f64.powi(-11),
+        FloatDType::BF16 => 2f64.powi(-8),
+        _ => 0.0,
+    }
+}
+
+/// `√(2/π)` and the cubic coefficient of GPT-2's GELU.
+pub const GELU_C: f64 = 0.797_884_560_802_865_4;
+pub const GELU_A: f64 = 0.044715;
+
+/// GPT-2's GELU, `½z(1 + tanh(c(z + a·z³)))`, in f64.
+pub fn gelu(z: f64) -> f64 {
+    0.5 * z * (1.0 + (GELU_C * (z + GELU_A * z * z * z)).tanh())
 }
