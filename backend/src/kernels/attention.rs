@@ -38,14 +38,14 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, FloatDType, Tensor};
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::flash;
-use super::in_dtype;
 use super::route::{CubeKernel, on_cube};
+use super::{in_dtype, tensor};
 use crate::Parallel;
 
 /// The key-block size of the reference: the tile of scores is `seq × REFERENCE_BLOCK`.
@@ -222,16 +222,12 @@ pub fn fused_attention<B: FusedAttentionBackend>(
     causal: bool,
 ) -> Tensor<B, 4> {
     let primitive = |t: Tensor<B, 4>| t.into_primitive().tensor();
-    Tensor::from_primitive(TensorPrimitive::Float(B::fused_attention(
+    tensor(B::fused_attention(
         primitive(query),
         primitive(key),
         primitive(value),
         causal,
-    )))
-}
-
-fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+    ))
 }
 
 /// FlashAttention-2's forward kernel ([`flash::forward`]).

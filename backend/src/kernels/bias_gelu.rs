@@ -35,10 +35,10 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
 
 use super::route::on_cube;
-use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP, gelu_exponent, gelu_tanh_f32, in_dtype};
+use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP, gelu_exponent, gelu_tanh_f32, in_dtype, tensor};
 use crate::Parallel;
 pub use cube::{backward_kernel, forward_kernel};
 
@@ -98,10 +98,6 @@ fn gelu_slope_f32<B: Backend>(z: Tensor<B, 2>) -> Tensor<B, 2> {
     let growth = z.clone() * z.clone() * (3.0 * GELU_A) + 1.0;
     let slope_of_s = s.clone() * (s.clone().neg() + 1.0) * growth * (2.0 * GELU_C);
     s + z * slope_of_s * unclamped
-}
-
-fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
 /// `t: [.., n]` as `[rows, n]`.
@@ -306,6 +302,14 @@ pub(crate) mod cube {
         empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
     }
 
+    /// The cube count and cube dim of a launch with one unit per element of `out`.
+    fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+        let elements = out.meta.shape().num_elements();
+        let cube_dim = CubeDim::new(&out.client, elements);
+        let cubes = calculate_cube_count_elemwise(&out.client, elements, cube_dim);
+        (cubes, cube_dim)
+    }
+
     /// [`epilogue_kernel`] on `input` (`[.., columns]`, any kernel float type): the bias added
     /// when there is one, then GELU when `gelu`, written in `output`'s type.
     pub(crate) fn epilogue<R: CubeRuntime>(
@@ -324,9 +328,7 @@ pub(crate) mod cube {
         };
         let out = empty_like(&input, input.meta.shape().clone(), output);
         let client = input.client.clone();
-        let elements = out.meta.shape().num_elements();
-        let cube_dim = CubeDim::new(&client, elements);
-        let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
+        let (cubes, cube_dim) = elementwise_grid(&out);
         let dtypes = [input.dtype.into(), output.into()];
         // SAFETY: `input` and `out` are contiguous with the same shape, the kernel writes only
         // indices below `out.len()`, and reads `bias` (of `columns` elements, checked by the
@@ -373,9 +375,7 @@ pub(crate) mod cube {
         let bias = into_contiguous(cast(bias, DType::F32));
         let grad = empty_like(&x, x.meta.shape().clone(), DType::F32);
         let client = x.client.clone();
-        let elements = grad.meta.shape().num_elements();
-        let cube_dim = CubeDim::new(&client, elements);
-        let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
+        let (cubes, cube_dim) = elementwise_grid(&grad);
         let dtype = x.dtype.into();
         // SAFETY: `x`, `output_grad` and `grad` are contiguous with the same shape (checked by
         // `checked_columns`), the kernel touches only indices below `grad.len()`, and reads

@@ -27,9 +27,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{FloatDType, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorMetadata};
 
 use super::route::on_cube;
+use super::tensor;
 pub use cube::kernel;
 
 /// Which type the float matmuls of `Parallel<B>` compute in.
@@ -129,12 +130,8 @@ pub fn mixed_matmul<B: Backend, const D: usize>(
         }
     };
     match output {
-        Ok(output) => Tensor::from_primitive(TensorPrimitive::Float(output)),
-        Err((lhs, rhs, bias)) => {
-            let float = |t| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t));
-            let bias = bias.map(|b| Tensor::from_primitive(TensorPrimitive::Float(b)));
-            reference(float(lhs), float(rhs), bias, spec)
-        }
+        Ok(output) => tensor(output),
+        Err((lhs, rhs, bias)) => reference(tensor(lhs), tensor(rhs), bias.map(tensor), spec),
     }
 }
 
@@ -148,7 +145,7 @@ pub fn reference<B: Backend, const D: usize>(
 ) -> Tensor<B, D> {
     let primitive = |t: Tensor<B, D>| t.into_primitive().tensor();
     let product = rounded_product::<B>(primitive(lhs), primitive(rhs), spec.compute);
-    let mut out = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(product));
+    let mut out = tensor::<B, D>(product);
     if let Some(bias) = bias {
         out = out + super::in_dtype(bias, FloatDType::F32).unsqueeze();
     }

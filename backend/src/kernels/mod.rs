@@ -18,7 +18,14 @@ pub mod probe;
 pub mod route;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+
+/// A float primitive of backend `B` as a rank-`D` `Tensor` (what the ops here hand back after
+/// running on primitives).
+pub(crate) fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
 
 /// `tensor` in `dtype`; unchanged, without a graph node, when it already is. The kernels
 /// compute half-precision inputs in f32 through it, and mixed-precision training casts its fp32
