@@ -1,7 +1,8 @@
 //! The fused bias + GELU (`kernels::bias_gelu`) against GPT-2's GELU and its derivative in f64:
 //! the CubeCL kernels directly on wgpu (Mesa's lavapipe on CI; and CUDA in a `--features cuda`
-//! build, `scripts/gpu-check.sh`), and the autodiff op, forward and both gradients, on
-//! `Autodiff<Parallel<Flex>>` (the reference) and on the kernel backends.
+//! build, `scripts/gpu-check.sh`), Flex's native loops and the reference in Burn ops directly,
+//! and the autodiff op, forward and both gradients, on `Autodiff<Parallel<Flex>>` (the loops in
+//! f32, the reference in half types) and on the kernel backends.
 //!
 //! Inputs are `[2, 19, 37]` (37 columns, so no row is a multiple of anything) with values in
 //! [−6, 6], biases in [−1, 1], plus values where the clamp of GELU's exponent holds (−20, −1e4)
@@ -15,11 +16,14 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::Parallel;
 use wildfire_backend::kernels::bias_gelu::{
-    FusedBiasGeluBackend, backward_kernel, bias_gelu, forward_kernel,
+    FusedBiasGeluBackend, backward_kernel, bias_gelu, forward_kernel, reference_backward,
+    reference_forward,
 };
+use wildfire_backend::kernels::flex;
 
 mod common;
 use common::{GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
@@ -91,22 +95,22 @@ fn tensor<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
 }
 
-/// The kernels on primitives: forward in `dtype`, and the f32 input gradient.
-fn kernels_match_f64<B: KernelBackend>(dtype: FloatDType) {
-    let Some(device) = B::test_device() else {
-        return;
-    };
-    if !has_dtype::<B>(&device, dtype.into()) {
-        return;
-    }
+/// The two passes on primitives of backend `B`, `forward(x, b)` and `backward(x, b, dy)`: the
+/// forward in `dtype` (its output keeping that type), the input gradient in f32.
+fn passes_match_f64<B: Backend>(
+    device: &B::Device,
+    dtype: FloatDType,
+    forward: impl Fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+    backward: impl Fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) {
     let (x, bias, grad) = inputs();
-    let x = tensor::<B, 2>(&x, [ROWS, COLUMNS], &device).cast(dtype);
-    let grad = tensor::<B, 2>(&grad, [ROWS, COLUMNS], &device).cast(dtype);
-    let bias = tensor::<B, 1>(&bias, [COLUMNS], &device);
+    let x = tensor::<B, 2>(&x, [ROWS, COLUMNS], device).cast(dtype);
+    let grad = tensor::<B, 2>(&grad, [ROWS, COLUMNS], device).cast(dtype);
+    let bias = tensor::<B, 1>(&bias, [COLUMNS], device);
     let primitive = |t: Tensor<B, 2>| t.into_primitive().tensor();
     let bias_primitive = bias.into_primitive().tensor();
-    let y = forward_kernel(primitive(x.clone()), bias_primitive.clone()).expect("forward kernel");
-    let dx = backward_kernel(primitive(x), bias_primitive, primitive(grad)).expect("backward");
+    let y = forward(primitive(x.clone()), bias_primitive.clone());
+    let dx = backward(primitive(x), bias_primitive, primitive(grad));
     let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y));
     assert_eq!(
         y.dtype(),
@@ -116,7 +120,7 @@ fn kernels_match_f64<B: KernelBackend>(dtype: FloatDType) {
     let dx = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(dx));
     assert_eq!(dx.dtype(), DType::F32);
     let (exact_y, exact_dx, _) = exact(dtype);
-    let what = format!("{} {dtype:?}", B::name(&device));
+    let what = format!("{} {dtype:?}", B::name(device));
     let mut failures = compare(
         &format!("{what} y"),
         y.into_data(),
@@ -132,6 +136,21 @@ fn kernels_match_f64<B: KernelBackend>(dtype: FloatDType) {
         1.0,
     ));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The CubeCL kernels on primitives, in `dtype` where the device computes in it.
+fn kernels_match_f64<B: KernelBackend>(dtype: FloatDType) {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    if has_dtype::<B>(&device, dtype.into()) {
+        passes_match_f64::<B>(
+            &device,
+            dtype,
+            |x, b| forward_kernel(x, b).expect("forward kernel"),
+            |x, b, dy| backward_kernel(x, b, dy).expect("backward kernel"),
+        );
+    }
 }
 
 #[test]
@@ -180,12 +199,67 @@ fn autodiff_op_matches_f64<A: AutodiffBackend + FusedBiasGeluBackend>(
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// On `Parallel<Flex>` the op runs the native loops in f32 and the reference in half types.
 #[test]
-fn the_reference_op_matches_f64() {
+fn the_flex_op_matches_f64() {
     type A = Autodiff<Parallel<Flex>>;
     for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
         autodiff_op_matches_f64::<A>(&Default::default(), dtype);
     }
+}
+
+/// The reference in Burn ops, in every type.
+#[test]
+fn the_reference_matches_f64() {
+    let tensor =
+        |t: FloatTensor<Flex>| Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(t));
+    let bias = |t: FloatTensor<Flex>| tensor(t).reshape([COLUMNS]);
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        passes_match_f64::<Flex>(
+            &Default::default(),
+            dtype,
+            |x, b| {
+                reference_forward(tensor(x), bias(b))
+                    .into_primitive()
+                    .tensor()
+            },
+            |x, b, dy| {
+                reference_backward(tensor(x), bias(b), tensor(dy))
+                    .into_primitive()
+                    .tensor()
+            },
+        );
+    }
+}
+
+/// Flex's native loops on primitives in f32; they decline half types and a bias or gradient
+/// whose shape does not fit `x`.
+#[test]
+fn the_flex_loops_match_f64() {
+    passes_match_f64::<Flex>(
+        &Default::default(),
+        FloatDType::F32,
+        |x, b| flex::bias_gelu_forward([x, b]).expect("f32 runs natively")[0].clone(),
+        |x, b, dy| flex::bias_gelu_backward([x, b, dy]).expect("f32 runs natively")[0].clone(),
+    );
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::zeros([ROWS, COLUMNS], &device);
+    let primitive = |t: Tensor<Flex, 2>| t.into_primitive().tensor();
+    let bias = |columns: usize| {
+        Tensor::<Flex, 1>::zeros([columns], &device)
+            .into_primitive()
+            .tensor()
+    };
+    for dtype in [FloatDType::F16, FloatDType::BF16] {
+        let half = primitive(x.clone().cast(dtype));
+        assert!(
+            flex::bias_gelu_forward([half, bias(COLUMNS)]).is_none(),
+            "{dtype:?}"
+        );
+    }
+    assert!(flex::bias_gelu_forward([primitive(x.clone()), bias(COLUMNS - 1)]).is_none());
+    let short_grad = primitive(Tensor::zeros([ROWS - 1, COLUMNS], &device));
+    assert!(flex::bias_gelu_backward([primitive(x), bias(COLUMNS), short_grad]).is_none());
 }
 
 fn kernel_op_matches_f64<B: KernelBackend>() {

@@ -2,13 +2,14 @@
 //! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three
 //! input gradients against decomposed attention with autodiff on Flex in f32, from the same
 //! (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is 32 rows), head dims
-//! 32, 64 and 128.
+//! 32, 64 and 128. The native loops on Flex (`kernels::flex`) run the same cases in f32, and
+//! are checked to read strided heads as they lie.
 //!
 //! Lavapipe ends an invocation's loops after 65535 iterations in all (see
 //! `kernels::route::LOOP_ITERATION_CAP`); before the kernels unrolled their loops over a row's
 //! columns, head dim 128 at length 257 passed it and gave wrong gradients. That case is tested
 //! here, and length 600 (past it before, for the forward too) in its own test, as is the
-//! kernels' declining a shape still past it on wgpu.
+//! kernels' declining a shape still past it where the wgpu device may be lavapipe.
 //!
 //! Tolerances, on `max |kernel − reference| / max |reference|` per tensor:
 //! - **f32**: 1e-5. Both compute in f32; they differ only in summation order.
@@ -25,23 +26,52 @@ use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorData, TensorPrimitive};
+use cubecl::wgpu::WgpuRuntime;
 use wildfire_backend::Parallel;
-use wildfire_backend::kernels::attention::decomposed_attention;
-use wildfire_backend::kernels::flash;
-use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled};
+use wildfire_backend::kernels::attention::{decomposed_attention, fused_attention};
+use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled, loops_capped};
+use wildfire_backend::kernels::{flash, flex};
 
 mod common;
 use common::{KernelBackend, has_dtype, output_and_grads, relative_error};
 
 type Reference = Autodiff<Flex>;
 
-/// One case: the relative errors of the output, dQ, dK and dV.
-fn errors<B: KernelBackend>(
+/// What a kernel under test computes from `[query, key, value, output gradient]` (primitives in
+/// the case's dtype) and the mask: `[output, dQ, dK, dV]`.
+type Run<B> = fn([FloatTensor<B>; 4], bool) -> [FloatTensor<B>; 4];
+
+/// The CubeCL kernels ([`flash::forward`], [`flash::backward`]).
+fn cube_kernels<B: KernelBackend>(
+    inputs: [FloatTensor<B>; 4],
+    causal: bool,
+) -> [FloatTensor<B>; 4] {
+    let [query, key, value, output_grad] = inputs;
+    let (output, logsumexp) = flash::forward(query.clone(), key.clone(), value.clone(), causal);
+    let saved = [query, key, value, output.clone(), logsumexp, output_grad];
+    let [query_grad, key_grad, value_grad] = flash::backward(saved, causal);
+    [output, query_grad, key_grad, value_grad]
+}
+
+/// The native loops on Flex ([`flex::attention_forward`], [`flex::attention_backward`]), which
+/// must take f32 inputs.
+fn flex_loops(inputs: [FloatTensor<Flex>; 4], causal: bool) -> [FloatTensor<Flex>; 4] {
+    let [query, key, value, output_grad] = inputs;
+    let [output, logsumexp] =
+        flex::attention_forward([query.clone(), key.clone(), value.clone()], causal)
+            .expect("the forward takes f32");
+    let saved = [query, key, value, output.clone(), logsumexp, output_grad];
+    let [query_grad, key_grad, value_grad] =
+        flex::attention_backward(saved, causal).expect("the backward takes f32");
+    [output, query_grad, key_grad, value_grad]
+}
+
+/// One case: the relative errors of `run`'s output, dQ, dK and dV against decomposed attention.
+fn errors<B: Backend>(
     device: &B::Device,
     dtype: DType,
-    seq: usize,
-    d_head: usize,
-    causal: bool,
+    (seq, d_head, causal): (usize, usize, bool),
+    run: Run<B>,
 ) -> [f32; 4] {
     let shape = [1, 2, seq, d_head];
     let draw = |seed: u64| {
@@ -64,30 +94,7 @@ fn errors<B: KernelBackend>(
     let read = |tensor: FloatTensor<B>| {
         Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(tensor)).into_data()
     };
-    let (output, logsumexp) = flash::forward(
-        primitive(&data[0]),
-        primitive(&data[1]),
-        primitive(&data[2]),
-        causal,
-    );
-    let inputs = [&data[0], &data[1], &data[2]].map(primitive);
-    let [query_grad, key_grad, value_grad] = flash::backward(
-        [
-            inputs[0].clone(),
-            inputs[1].clone(),
-            inputs[2].clone(),
-            output.clone(),
-            logsumexp,
-            primitive(&data[3]),
-        ],
-        causal,
-    );
-    let kernel = [
-        read(output),
-        read(query_grad),
-        read(key_grad),
-        read(value_grad),
-    ];
+    let kernel = run([0, 1, 2, 3].map(|i| primitive(&data[i])), causal).map(read);
 
     let reference = output_and_grads::<Reference>(&data, &Default::default(), |q, k, v| {
         decomposed_attention(q, k, v, causal)
@@ -99,21 +106,22 @@ fn errors<B: KernelBackend>(
     errors
 }
 
-/// Every `(head dim, lengths)` and mask in `dtype` on backend `B`, each within `tolerance`.
-fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
-    let Some(device) = B::test_device() else {
-        return;
-    };
-    let backend = B::name(&device);
-    if !has_dtype::<B>(&device, dtype) {
-        return;
-    }
+/// Every `(head dim, lengths)` and mask in `dtype` with `run` on backend `B`, each within
+/// `tolerance`.
+fn check_on<B: Backend>(
+    device: &B::Device,
+    dtype: DType,
+    tolerance: f32,
+    cases: &[(usize, &[usize])],
+    run: Run<B>,
+) {
+    let backend = B::name(device);
     let mut failures = Vec::new();
     for &(d_head, lengths) in cases {
         for &seq in lengths {
             for causal in [true, false] {
                 let start = std::time::Instant::now();
-                let errors = errors::<B>(&device, dtype, seq, d_head, causal);
+                let errors = errors::<B>(device, dtype, (seq, d_head, causal), run);
                 let case = format!(
                     "d_head {d_head} seq {seq} causal {causal}: O, dQ, dK, dV {}",
                     errors.map(|error| format!("{error:.1e}")).join(" ")
@@ -130,6 +138,17 @@ fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usiz
         failures.is_empty(),
         "{backend} {dtype:?} beyond {tolerance:e}: {failures:?}"
     );
+}
+
+/// [`check_on`] with the CubeCL kernels on kernel backend `B`, where it has a device that
+/// computes in `dtype`.
+fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
+    let Some(device) = B::test_device() else {
+        return;
+    };
+    if has_dtype::<B>(&device, dtype) {
+        check_on::<B>(&device, dtype, tolerance, cases, cube_kernels::<B>);
+    }
 }
 
 /// Every length at head dims 32, 64 and 128.
@@ -164,6 +183,81 @@ fn bf16_kernels_match_decomposed_attention() {
     on_kernel_backends!(check(DType::BF16, 4.0 * 2f32.powi(-8), &CASES));
 }
 
+/// The native loops on Flex, f32 only (half types run the reference, tested in
+/// `kernels::attention`): every case, and length 600 at head dim 128.
+#[test]
+fn flex_loops_match_decomposed_attention() {
+    let device = Default::default();
+    check_on::<Flex>(&device, DType::F32, 1e-5, &CASES, flex_loops);
+    check_on::<Flex>(&device, DType::F32, 1e-5, &[(128, &[600])], flex_loops);
+}
+
+/// The loops read heads where they lie: on a strided view (the GPT's heads, `[batch, seq,
+/// heads, d]` with the middle dims swapped) they give the same bits as on a contiguous copy,
+/// and they decline half types (the reference runs those).
+#[test]
+fn flex_loops_read_strided_heads_and_decline_half_types() {
+    let device = Default::default();
+    let draw = |seed: u64| {
+        Flex::seed(&device, seed);
+        Tensor::<Flex, 4>::random([2, 45, 3, 32], Distribution::Normal(0.0, 1.0), &device)
+            .swap_dims(1, 2)
+    };
+    let views = [1, 2, 3, 4].map(draw);
+    let copies = views
+        .clone()
+        .map(|view| Tensor::<Flex, 4>::from_data(view.into_data(), &device));
+    let read = |tensors: [FloatTensor<Flex>; 4]| {
+        tensors.map(|t| Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(t)).into_data())
+    };
+    let primitives = |tensors: [Tensor<Flex, 4>; 4]| tensors.map(|t| t.into_primitive().tensor());
+    for causal in [true, false] {
+        let strided = read(flex_loops(primitives(views.clone()), causal));
+        let contiguous = read(flex_loops(primitives(copies.clone()), causal));
+        for (name, (a, b)) in ["O", "dQ", "dK", "dV"]
+            .iter()
+            .zip(strided.iter().zip(&contiguous))
+        {
+            assert_eq!(
+                a, b,
+                "{name}, causal {causal}: strided heads give other bits"
+            );
+        }
+    }
+    for dtype in [FloatDType::F16, FloatDType::BF16] {
+        let [q, k, v, _] = primitives(views.clone().map(|t| t.cast(dtype)));
+        assert!(
+            flex::attention_forward([q, k, v], true).is_none(),
+            "{dtype:?}"
+        );
+    }
+}
+
+/// `Parallel<Flex>` sends fused attention in f32 to the native loops: the op's output is
+/// theirs, bit for bit (the reference sums in another order).
+#[test]
+fn parallel_flex_routes_f32_attention_to_the_loops() {
+    if !kernels_enabled() {
+        eprintln!("skipped: WILDFIRE_KERNELS=reference routes everything to the reference");
+        return;
+    }
+    let device = Default::default();
+    Flex::seed(&device, 5);
+    let draw =
+        || Tensor::<Flex, 4>::random([1, 2, 70, 32], Distribution::Normal(0.0, 1.0), &device);
+    let [q, k, v] = [draw(), draw(), draw()];
+    let decorated = |t: &Tensor<Flex, 4>| {
+        Tensor::<Parallel<Flex>, 4>::from_primitive(TensorPrimitive::Float(
+            t.clone().into_primitive().tensor(),
+        ))
+    };
+    let routed = fused_attention(decorated(&q), decorated(&k), decorated(&v), true).into_data();
+    let primitive = |t: Tensor<Flex, 4>| t.into_primitive().tensor();
+    let [loops, _] = flex::attention_forward([q, k, v].map(primitive), true).expect("f32");
+    let loops = Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(loops)).into_data();
+    assert_eq!(routed, loops);
+}
+
 /// Length 600 at head dim 128: past lavapipe's loop cap before the loops over a row's columns
 /// were unrolled (the forward was wrong too); now well inside it.
 #[test]
@@ -171,22 +265,37 @@ fn head_dim_128_length_600() {
     on_kernel_backends!(check(DType::F32, 1e-5, &[(128, &[600])]));
 }
 
-/// On wgpu the kernels decline a shape whose loops would pass lavapipe's cap (the reference
-/// runs instead), naming the shape.
+/// Where the wgpu device may be Mesa's lavapipe (it is installed, so wgpu's default device may
+/// be it), the kernels decline a shape whose loops would pass its cap, naming the shape, and the
+/// reference runs instead; on a machine without lavapipe they take the shape.
 #[test]
-fn shapes_past_the_loop_cap_are_declined_on_wgpu() {
+fn shapes_past_the_loop_cap_are_declined_where_lavapipe_may_run() {
     let Some(device) = Wgpu::test_device() else {
         return;
     };
+    let lavapipe_installed = ["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d"]
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flatten()
+        .any(|entry| entry.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("lvp_icd")));
+    assert_eq!(
+        loops_capped::<WgpuRuntime>(&device),
+        lavapipe_installed,
+        "loop cap on {device:?}, with lavapipe installed: {lavapipe_installed}"
+    );
     let (seq, d_head) = (7000, 100);
     let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
         .into_primitive()
         .tensor();
-    let reason = flash::unsupported(&[query.clone(), query.clone(), query]).expect("declined");
-    assert!(
-        reason.contains("length 7000")
-            && reason.contains("head dim 100")
-            && reason.contains("65535"),
-        "{reason}"
-    );
+    let declined = flash::unsupported(&[query.clone(), query.clone(), query]);
+    match declined {
+        Some(reason) => assert!(
+            lavapipe_installed
+                && reason.contains("length 7000")
+                && reason.contains("head dim 100")
+                && reason.contains("65535"),
+            "{reason}"
+        ),
+        None => assert!(!lavapipe_installed, "a shape past lavapipe's cap was taken"),
+    }
 }

@@ -2,7 +2,9 @@
 //! 128, vocab 65, AdamW, global clipping), at 1 and 2 threads, with the step split into forward,
 //! backward and optimizer (clipping included). Each thread count runs in its own process (the
 //! thread pool is sized once per process); with `--pytorch`, the PyTorch eager reference
-//! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side.
+//! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side;
+//! with `--reference-ops`, so does wildfire with the fused ops' reference in Burn ops in place
+//! of their native loops on Flex.
 
 use crate::median;
 use std::path::Path;
@@ -43,6 +45,10 @@ pub struct TrainArgs {
     /// Also run the PyTorch eager reference (needs python3 with torch).
     #[arg(long)]
     pytorch: bool,
+    /// Also run wildfire with the fused ops' reference in Burn ops (`WILDFIRE_KERNELS=reference`)
+    /// in place of their native loops on Flex (`kernels::flex`).
+    #[arg(long)]
+    reference_ops: bool,
 }
 
 #[derive(Debug, Args)]
@@ -162,9 +168,17 @@ fn last_json_line(output: std::process::Output, what: &str) -> anyhow::Result<Sa
     Ok(sample)
 }
 
-fn run_wildfire(threads: usize, steps: usize) -> anyhow::Result<Sample> {
+/// The name of wildfire's runs with the fused ops' reference.
+const WILDFIRE_REFERENCE_OPS: &str = "wildfire-reference-ops";
+
+/// A worker process's sample; with `reference_ops`, the fused ops run their reference in Burn ops.
+fn run_wildfire(threads: usize, steps: usize, reference_ops: bool) -> anyhow::Result<Sample> {
     let exe = std::env::current_exe()?;
-    let output = Command::new(exe)
+    let mut command = Command::new(exe);
+    if reference_ops {
+        command.env("WILDFIRE_KERNELS", "reference");
+    }
+    let output = command
         .args([
             "train-worker",
             "--threads",
@@ -173,7 +187,11 @@ fn run_wildfire(threads: usize, steps: usize) -> anyhow::Result<Sample> {
             &steps.to_string(),
         ])
         .output()?;
-    last_json_line(output, "wildfire train worker")
+    let mut sample = last_json_line(output, "wildfire train worker")?;
+    if reference_ops {
+        sample.system = WILDFIRE_REFERENCE_OPS.into();
+    }
+    Ok(sample)
 }
 
 fn run_pytorch(threads: usize, steps: usize) -> anyhow::Result<Sample> {
@@ -199,9 +217,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut samples: Vec<Sample> = Vec::new();
     for round in 0..args.rounds {
         for threads in [1, 2] {
-            let sample = run_wildfire(threads, args.steps.into())?;
+            let sample = run_wildfire(threads, args.steps.into(), false)?;
             emit(&sample, round, args.json)?;
             samples.push(sample);
+            if args.reference_ops {
+                let sample = run_wildfire(threads, args.steps.into(), true)?;
+                emit(&sample, round, args.json)?;
+                samples.push(sample);
+            }
             if args.pytorch {
                 let sample = run_pytorch(threads, args.steps.into())?;
                 emit(&sample, round, args.json)?;
@@ -210,7 +233,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if !args.json {
-        summarise(&samples, args.pytorch);
+        summarise(&samples, args.pytorch, args.reference_ops);
     }
     Ok(())
 }
@@ -221,7 +244,7 @@ fn emit(sample: &Sample, round: u16, json: bool) -> anyhow::Result<()> {
     } else {
         let phase = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
         println!(
-            "round {round} {:<9} threads {} | step {:7.1} ms | fwd {:>6} | bwd {:>6} | optim {:>6} | {:8.0} tok/s",
+            "round {round} {:<22} threads {} | step {:7.1} ms | fwd {:>6} | bwd {:>6} | optim {:>6} | {:8.0} tok/s",
             sample.system,
             sample.threads,
             sample.step_ms,
@@ -244,9 +267,17 @@ fn median_tokens_per_sec(samples: &[Sample], system: &str, threads: usize) -> f6
     median(&mut values)
 }
 
-fn summarise(samples: &[Sample], pytorch: bool) {
+fn summarise(samples: &[Sample], pytorch: bool, reference_ops: bool) {
     for threads in [1, 2] {
         let ours = median_tokens_per_sec(samples, "wildfire", threads);
+        if reference_ops {
+            let reference = median_tokens_per_sec(samples, WILDFIRE_REFERENCE_OPS, threads);
+            println!(
+                "threads {threads}: fused ops' native loops {ours:.0} tok/s, their reference in \
+                 Burn ops {reference:.0} tok/s, speedup {:.2}",
+                ours / reference
+            );
+        }
         if pytorch {
             let theirs = median_tokens_per_sec(samples, "pytorch", threads);
             println!(

@@ -43,8 +43,8 @@ use burn::tensor::{Bool, FloatDType, Tensor};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::flash;
-use super::route::{CubeKernel, on_cube};
+use super::route::{CubeKernel, on_cube, on_flex};
+use super::{flash, flex};
 use super::{in_dtype, tensor};
 use crate::Parallel;
 
@@ -261,15 +261,17 @@ impl CubeKernel<6, 3> for FlashBackward {
     }
 }
 
-/// The forward on backend `B`: the CubeCL kernel on CubeCL backends (unless opted out)
-/// ([`super::route`]), the reference otherwise.
+/// The forward on backend `B`: the CubeCL kernel on CubeCL backends and the native loops on Flex
+/// (unless opted out) ([`super::route`]), the reference otherwise.
 fn forward_on<B: Backend>(
     query: FloatTensor<B>,
     key: FloatTensor<B>,
     value: FloatTensor<B>,
     causal: bool,
 ) -> AttentionForward<B> {
-    match on_cube(&FlashForward { causal }, [query, key, value]) {
+    let routed = on_cube(&FlashForward { causal }, [query, key, value])
+        .or_else(|inputs| on_flex(inputs, |inputs| flex::attention_forward(inputs, causal)));
+    match routed {
         Ok([output, logsumexp]) => AttentionForward {
             output: tensor(output),
             logsumexp: tensor(logsumexp),
@@ -285,9 +287,12 @@ fn forward_on<B: Backend>(
 }
 
 /// The backward on backend `B` from `[query, key, value, output, logsumexp, output_grad]`:
-/// the CubeCL kernels on CubeCL backends (unless opted out), the reference otherwise.
+/// the CubeCL kernels on CubeCL backends and the native loops on Flex (unless opted out), the
+/// reference otherwise.
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 6], causal: bool) -> AttentionGrads<B> {
-    match on_cube(&FlashBackward { causal }, inputs) {
+    let routed = on_cube(&FlashBackward { causal }, inputs)
+        .or_else(|inputs| on_flex(inputs, |inputs| flex::attention_backward(inputs, causal)));
+    match routed {
         Ok([query, key, value]) => AttentionGrads {
             query: tensor(query),
             key: tensor(key),

@@ -37,7 +37,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
 
-use super::route::on_cube;
+use super::flex;
+use super::route::{on_cube, on_flex};
 use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP, gelu_exponent, gelu_tanh_f32, in_dtype, tensor};
 use crate::Parallel;
 pub use cube::{backward_kernel, forward_kernel};
@@ -113,10 +114,12 @@ fn reshaped<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
     B::float_reshape(t.into_primitive().tensor(), shape)
 }
 
-/// The forward on backend `B`: the CubeCL kernel on CubeCL backends (unless opted out), the
-/// reference otherwise.
+/// The forward on backend `B`: the CubeCL kernel on CubeCL backends and the native loop on Flex
+/// (unless opted out), the reference otherwise.
 fn forward_on<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
-    match on_cube(&cube::Forward, [x, bias]) {
+    let routed = on_cube(&cube::Forward, [x, bias])
+        .or_else(|inputs| on_flex(inputs, flex::bias_gelu_forward));
+    match routed {
         Ok([y]) => y,
         Err([x, bias]) => {
             let shape = x.shape();
@@ -126,9 +129,11 @@ fn forward_on<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTenso
 }
 
 /// `dx` in f32 on backend `B` from `[x, bias, output_grad]`: the CubeCL kernel on CubeCL
-/// backends (unless opted out), the reference otherwise.
+/// backends and the native loop on Flex (unless opted out), the reference otherwise.
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> FloatTensor<B> {
-    match on_cube(&cube::Backward, inputs) {
+    let routed = on_cube(&cube::Backward, inputs)
+        .or_else(|inputs| on_flex(inputs, flex::bias_gelu_backward));
+    match routed {
         Ok([grad]) => grad,
         Err([x, bias, output_grad]) => {
             let shape = x.shape();

@@ -26,8 +26,9 @@
 //! **Lavapipe's loop cap.** Lavapipe stops an invocation's loops once they have run 65535
 //! iterations together ([`super::route::LOOP_ITERATION_CAP`]), silently. The walks over a row's
 //! `d` columns step by `UNROLL` (32) columns, unrolled, so the forward, the heavier, runs about
-//! `(2⌈d/32⌉ + 2)·seq` iterations. On wgpu the kernels decline shapes past the cap (lengths above
-//! about 6400 at head dim 128, 16 000 at 32). Unrolling whole rows instead (a compile-time `d`)
+//! `(2⌈d/32⌉ + 2)·seq` iterations. On a wgpu device that may be lavapipe
+//! ([`super::route::loops_capped`]) the kernels decline shapes past the cap (lengths above about
+//! 6400 at head dim 128, 16 000 at 32). Unrolling whole rows instead (a compile-time `d`)
 //! would lift the cap to about 32 000 at any head dim, but lavapipe then took 40 s to compile the
 //! kernels at head dim 32 and 4 minutes at 64.
 
@@ -412,7 +413,7 @@ pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
         return Some(format!("the device has no {dtype:?} arithmetic"));
     }
     let seq = shape[2];
-    if loops_capped::<R>() && loop_iterations(seq, d) > LOOP_ITERATION_CAP {
+    if loops_capped::<R>(&query.device) && loop_iterations(seq, d) > LOOP_ITERATION_CAP {
         return Some(format!(
             "length {seq} at head dim {d} needs {} loop iterations per invocation, over the \
              {LOOP_ITERATION_CAP} lavapipe allows on wgpu",

@@ -5,14 +5,17 @@
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (kernels and reference), and its
 //!   autodiff op.
 //! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
+//! - [`flex`]: fused attention and bias + GELU as native loops on Flex (Burn's CPU backend).
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
-//! - [`route`]: which of the two a call takes (the kernels on CubeCL backends, unless opted out).
+//! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
+//!   out; the reference otherwise).
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 
 pub mod attention;
 pub mod bias_gelu;
 pub mod flash;
+pub mod flex;
 pub mod matmul;
 pub mod probe;
 pub mod route;

@@ -1,20 +1,29 @@
-//! Which implementation a kernel call takes: the CubeCL kernel when the backend's tensor
-//! primitive is a CubeCL runtime's tensor (`CubeTensor<WgpuRuntime>` with the `wgpu` feature,
-//! `CubeTensor<CudaRuntime>` with `cuda`: Burn's `Wgpu` and `Cuda`, bare or inside
-//! `Parallel<_>`), the reference in Burn tensor ops otherwise (Flex, or a kernel that declines
-//! its inputs). The choice is by type, so every rank of a job takes the same path.
+//! Which implementation a kernel call takes, by the type of the backend's tensor primitive:
 //!
-//! **The kernels are the default** on CubeCL backends. `WILDFIRE_KERNELS=reference` (or
+//! - a CubeCL runtime's tensor (`CubeTensor<WgpuRuntime>` with the `wgpu` feature,
+//!   `CubeTensor<CudaRuntime>` with `cuda`: Burn's `Wgpu` and `Cuda`, bare or inside
+//!   `Parallel<_>`): the CubeCL kernel ([`on_cube`]);
+//! - Flex's tensor (Burn's CPU backend): the native loops of [`super::flex`] ([`on_flex`]);
+//! - otherwise, or when a kernel declines its inputs (a dtype, a shape outside its range): the
+//!   reference in Burn tensor ops.
+//!
+//! The choice is by type, so every rank of a job takes the same path.
+//!
+//! **The kernels are the default.** `WILDFIRE_KERNELS=reference` (or
 //! [`set_kernels_enabled`]`(false)`) sends every call to the reference instead, e.g. to compare
 //! the two or to rule the kernels out.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
+use burn_flex::FlexTensor;
 
 use std::any::TypeId;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::typecast::same;
+
+#[cfg(feature = "wgpu")]
+use cubecl::wgpu::WgpuDevice;
 
 /// A kernel taking `N` tensors and giving `M`, on any CubeCL runtime.
 pub(crate) trait CubeKernel<const N: usize, const M: usize> {
@@ -82,16 +91,37 @@ const DISABLED: u8 = 1;
 const ENABLED: u8 = 2;
 static KERNELS: AtomicU8 = AtomicU8::new(UNDECIDED);
 
+/// `launch` on `inputs` when they are Flex's tensors (unless the kernels are opted out) and it
+/// takes them; otherwise the inputs back.
+pub(crate) fn on_flex<P: 'static, const N: usize, const M: usize>(
+    inputs: [P; N],
+    launch: impl FnOnce([FlexTensor; N]) -> Option<[FlexTensor; M]>,
+) -> Result<[P; M], [P; N]> {
+    if !kernels_enabled() {
+        return Err(inputs);
+    }
+    on_primitive(inputs, launch)
+}
+
 /// [`on_cube`] for runtime `R`.
 fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
     kernel: &impl CubeKernel<N, M>,
     inputs: [P; N],
 ) -> Result<[P; M], [P; N]> {
-    if TypeId::of::<P>() != TypeId::of::<CubeTensor<R>>() {
+    on_primitive::<CubeTensor<R>, _, N, M>(inputs, |tensors| kernel.launch(tensors))
+}
+
+/// `launch` on `inputs` when primitives of type `P` are of type `T` and it takes them;
+/// otherwise the inputs back.
+fn on_primitive<T: Clone + 'static, P: 'static, const N: usize, const M: usize>(
+    inputs: [P; N],
+    launch: impl FnOnce([T; N]) -> Option<[T; M]>,
+) -> Result<[P; M], [P; N]> {
+    if TypeId::of::<P>() != TypeId::of::<T>() {
         return Err(inputs);
     }
-    let tensors = inputs.map(same::<P, CubeTensor<R>>);
-    match kernel.launch(tensors.clone()) {
+    let tensors = inputs.map(same::<P, T>);
+    match launch(tensors.clone()) {
         Some(outputs) => Ok(outputs.map(same)),
         None => Err(tensors.map(same)),
     }
@@ -100,17 +130,50 @@ fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
 /// Lavapipe (Mesa's CPU Vulkan driver, through wgpu) ends every loop of a shader invocation
 /// once the invocation's loops together have run this many iterations (gallivm's
 /// `LP_MAX_TGSI_LOOP_ITERATIONS`, one counter shared by every loop), silently: the results are
-/// wrong, not an error. Kernels decline shapes that would pass it on wgpu.
+/// wrong, not an error. Kernels decline shapes that would pass it on a device that may be
+/// lavapipe ([`loops_capped`]).
 pub(crate) const LOOP_ITERATION_CAP: usize = 65_535;
 
-/// Whether runtime `R` may be lavapipe, whose loops are capped ([`LOOP_ITERATION_CAP`]): wgpu.
-/// (A GPU behind wgpu has no cap; it loses only the shapes past it, to the reference.)
-pub(crate) fn loops_capped<R: 'static>() -> bool {
+/// Whether `device` may be lavapipe, whose loops are capped ([`LOOP_ITERATION_CAP`]): a wgpu
+/// device that is wgpu's CPU adapter, or the default (or an existing) device on a machine where
+/// wgpu finds a CPU adapter, since which adapter those are is wgpu's choice. A GPU named as such
+/// has no cap; a GPU behind the default device on a machine that also has lavapipe keeps it and
+/// loses only the shapes past it, to the reference.
+pub fn loops_capped<R: CubeRuntime>(device: &R::Device) -> bool {
     #[cfg(feature = "wgpu")]
-    if TypeId::of::<R>() == TypeId::of::<cubecl::wgpu::WgpuRuntime>() {
-        return true;
+    if let Some(device) = (device as &dyn std::any::Any).downcast_ref::<WgpuDevice>() {
+        return wgpu_may_be_cpu(device, machine_has_cpu_adapter);
     }
+    let _ = device;
     false
+}
+
+/// Whether wgpu `device` may be a CPU adapter, asking `cpu_adapter_found` only when the device
+/// does not say.
+#[cfg(feature = "wgpu")]
+fn wgpu_may_be_cpu(device: &WgpuDevice, cpu_adapter_found: impl FnOnce() -> bool) -> bool {
+    match device {
+        WgpuDevice::Cpu => true,
+        WgpuDevice::DiscreteGpu(_) | WgpuDevice::IntegratedGpu(_) | WgpuDevice::VirtualGpu(_) => {
+            false
+        }
+        _ => cpu_adapter_found(),
+    }
+}
+
+/// Whether wgpu finds a CPU adapter (lavapipe, llvmpipe) for its default graphics API on this
+/// machine; asked once per process.
+#[cfg(feature = "wgpu")]
+fn machine_has_cpu_adapter() -> bool {
+    use cubecl::Runtime;
+    use cubecl::device::Device;
+    use cubecl::wgpu::{AutoGraphicsApi, GraphicsApi, WgpuRuntime};
+    static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        WgpuRuntime::enumerate_all_devices(&AutoGraphicsApi::backend())
+            .into_iter()
+            .any(|id| WgpuDevice::from_id(id) == WgpuDevice::Cpu)
+    })
 }
 
 /// The CubeCL runtime whose kernels primitives of type `P` run, if any: `"wgpu"` or `"cuda"`.
@@ -130,6 +193,32 @@ pub fn cube_runtime<P: 'static>() -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use std::process::Command;
+
+    /// A wgpu device named as a GPU has no loop cap, the CPU adapter has it, and the default and
+    /// existing devices have it exactly when the machine has a CPU adapter.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn only_a_device_that_may_be_the_cpu_adapter_is_loop_capped() {
+        use super::{WgpuDevice, wgpu_may_be_cpu};
+        let never_asked = || panic!("the device says what it is");
+        for gpu in [
+            WgpuDevice::DiscreteGpu(0),
+            WgpuDevice::IntegratedGpu(1),
+            WgpuDevice::VirtualGpu(0),
+        ] {
+            assert!(!wgpu_may_be_cpu(&gpu, never_asked), "{gpu:?}");
+        }
+        assert!(wgpu_may_be_cpu(&WgpuDevice::Cpu, never_asked));
+        for chosen_by_wgpu in [WgpuDevice::DefaultDevice, WgpuDevice::Existing(0)] {
+            for cpu_adapter in [false, true] {
+                assert_eq!(
+                    wgpu_may_be_cpu(&chosen_by_wgpu, || cpu_adapter),
+                    cpu_adapter,
+                    "{chosen_by_wgpu:?}, CPU adapter found: {cpu_adapter}"
+                );
+            }
+        }
+    }
 
     /// Runs test `name` of this binary alone in a child process with `WILDFIRE_KERNELS=value`
     /// (the variable is read once per process, and setting it in a threaded test binary is

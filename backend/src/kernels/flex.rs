@@ -1,0 +1,480 @@
+//! The fused ops as native code on Flex, Burn's CPU backend: what `Parallel<Flex>` runs for
+//! fused attention and the fused bias + GELU in f32, on rayon's threads. The reference in Burn
+//! tensor ops computes the same values one Flex op at a time (most of them on one thread, each
+//! writing a new tensor); these read the inputs in place and keep only a tile of scores.
+//!
+//! **Attention**, per head of `[batch, heads, seq, d]` f32 inputs (the GPT's heads are a strided
+//! view of its qkv projection, read as they lie), in tiles of `QUERY_TILE` (32) queries, with
+//! `c = 1/√d`, `K, V` the keys the tile's last query sees (`0..end`; all of them, or up to the
+//! tile's end when causal) and `M` the causal mask inside the tile. The products are Flex's own
+//! matmul kernels (the `gemm` crate) on one thread each:
+//!
+//! - forward, tiles in parallel: `S = c·Q_t Kᵀ`, per row `m = max S`, `P = e^(S − m)` (0 under
+//!   `M`), `ℓ = Σ P`; then `O_t = (P V) / ℓ` and `L = m + ln ℓ`: FlashAttention-2's output and
+//!   logsumexp, with the whole softmax row in the tile (a tile of scores is `32 × seq`, never
+//!   `seq × seq`);
+//! - backward, heads in parallel (a head's dK and dV gather over its tiles), from the saved
+//!   `L`: `P = e^(c·Q_t Kᵀ − L)` (0 under `M`), `dV += Pᵀ dO_t`, `dP = dO_t Vᵀ`,
+//!   `Δ = rowsum(P ∘ dP)` (= `dO·O`, from the tile rather than the output),
+//!   `dS = c·P ∘ (dP − Δ)`, `dQ_t = dS K`, `dK += dSᵀ Q_t`.
+//!
+//! **Bias + GELU**: `y = g(x + b)` and `dx = dy ∘ g'(x + b)` elementwise, rows in parallel, with
+//! [`super::bias_gelu`]'s `g` and `g'` (the clamped exponent included).
+//!
+//! Inputs of another type (f16, bf16) run the reference.
+
+use burn::tensor::{DType, Shape, TensorData};
+use burn_flex::FlexTensor;
+use rayon::prelude::*;
+
+use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP};
+
+/// Query rows per tile of the attention: a task of the forward, a step of the backward.
+const QUERY_TILE: usize = 32;
+
+/// `tensor`'s f32 elements with every stride non-negative: the tensor as it is when it already
+/// lies so, or a contiguous copy.
+fn readable_f32(tensor: FlexTensor) -> Option<FlexTensor> {
+    if tensor.dtype() != DType::F32 {
+        return None;
+    }
+    Some(match tensor.layout().has_positive_strides() {
+        true => tensor,
+        false => tensor.to_contiguous(),
+    })
+}
+
+/// A strided f32 matrix in a slice: element `(r, c)` at `offset + r·row_stride + c·col_stride`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> View<'a> {
+    /// `rows × cols` row-major at the start of `data`.
+    fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose (no copy).
+    fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// Element `(r, c)`.
+    #[cfg(test)]
+    fn at(&self, r: usize, c: usize) -> f32 {
+        self.data[self.offset + r * self.row_stride + c * self.col_stride]
+    }
+
+    /// Every element lies inside `data`.
+    fn in_bounds(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || self.offset + (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride
+                < self.data.len()
+    }
+}
+
+/// `dst = scale·lhs·rhs`, or `dst += scale·lhs·rhs` when `accumulate`; `dst` is row-major
+/// `[lhs.rows, rhs.cols]` in a slice, its rows `dst_stride` apart. Flex's own matmul kernels
+/// (the `gemm` crate, which picks the CPU's widest vectors at run time), on one thread.
+///
+/// # Panics
+/// When the shapes do not chain or a matrix leaves its slice.
+fn gemm_into(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: View,
+    rhs: View,
+    scale: f32,
+    accumulate: bool,
+) {
+    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
+    assert_eq!(k, rhs.rows, "gemm_into: {m}×{k} by {}×{n}", rhs.rows);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!((m - 1) * dst_stride + n <= dst.len() && n <= dst_stride);
+    assert!(lhs.in_bounds() && rhs.in_bounds());
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(dst_stride)
+                .take(m)
+                .for_each(|row| row[..n].fill(0.0));
+        }
+        return;
+    }
+    let stride = |s: usize| s as isize;
+    // SAFETY: the three matrices lie inside their slices (asserted above), `dst` is borrowed
+    // mutably and the inputs shared, so nothing the call writes is read through another path.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            stride(dst_stride),
+            accumulate,
+            lhs.data.as_ptr().add(lhs.offset),
+            stride(lhs.col_stride),
+            stride(lhs.row_stride),
+            rhs.data.as_ptr().add(rhs.offset),
+            stride(rhs.col_stride),
+            stride(rhs.row_stride),
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// The heads of a rank-4 f32 tensor `[batch, heads, seq, d]`, read where they lie.
+struct Heads<'a> {
+    data: &'a [f32],
+    start: usize,
+    /// Strides of batch, head, position and column.
+    strides: [usize; 4],
+    heads: usize,
+    d: usize,
+}
+
+impl<'a> Heads<'a> {
+    /// `tensor` (as [`readable_f32`] leaves it) read by heads.
+    fn of(tensor: &'a FlexTensor) -> Self {
+        let layout = tensor.layout();
+        let stride = |dim: usize| layout.strides()[dim] as usize;
+        Self {
+            data: tensor.storage::<f32>(),
+            start: layout.start_offset(),
+            strides: [stride(0), stride(1), stride(2), stride(3)],
+            heads: layout.shape()[1],
+            d: layout.shape()[3],
+        }
+    }
+
+    /// Rows `first..first + rows` of head `head` (heads counted over the batch:
+    /// `b·heads + h`), as a `rows × d` matrix.
+    fn rows(&self, head: usize, first: usize, rows: usize) -> View<'a> {
+        let [batch_stride, head_stride, position_stride, column_stride] = self.strides;
+        View {
+            data: self.data,
+            offset: self.start
+                + (head / self.heads) * batch_stride
+                + (head % self.heads) * head_stride
+                + first * position_stride,
+            rows,
+            cols: self.d,
+            row_stride: position_stride,
+            col_stride: column_stride,
+        }
+    }
+}
+
+/// How many keys query `position` of `seq` sees: `position + 1` when causal, all otherwise.
+fn keys_seen(position: usize, seq: usize, causal: bool) -> usize {
+    if causal { position + 1 } else { seq }
+}
+
+fn tensor_f32(values: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// A tile of `rows` queries from `first` and the keys they see, `0..end`.
+#[derive(Clone, Copy)]
+struct Tile {
+    first: usize,
+    rows: usize,
+    end: usize,
+}
+
+impl Tile {
+    fn new(index: usize, seq: usize, causal: bool) -> Self {
+        let first = index * QUERY_TILE;
+        let rows = QUERY_TILE.min(seq - first);
+        Self {
+            first,
+            rows,
+            end: keys_seen(first + rows - 1, seq, causal),
+        }
+    }
+
+    /// The tile's scores `c·Q_tile·Kᵀ` into `scores` (`rows × end`, row-major).
+    fn scores(&self, q: &Heads, k: &Heads, head: usize, scale: f32, scores: &mut [f32]) {
+        let (queries, keys) = (
+            q.rows(head, self.first, self.rows),
+            k.rows(head, 0, self.end),
+        );
+        gemm_into(scores, self.end, queries, keys.t(), scale, false);
+    }
+
+    /// Each score row's keys past what its query sees (under the causal mask) set to 0, and
+    /// `f(row, seen)` on the keys it sees.
+    fn each_row(
+        &self,
+        scores: &mut [f32],
+        seq: usize,
+        causal: bool,
+        mut f: impl FnMut(usize, &mut [f32]),
+    ) {
+        for (r, row) in scores.chunks_mut(self.end).take(self.rows).enumerate() {
+            let (seen, hidden) = row.split_at_mut(keys_seen(self.first + r, seq, causal));
+            hidden.fill(0.0);
+            f(r, seen);
+        }
+    }
+}
+
+/// The query's shape when the loops take `inputs` (query, key, value, …): rank 4, not empty,
+/// key and value (and the output and its gradient, when given) of the query's shape.
+fn taken_attention_shape(inputs: &[FlexTensor]) -> Option<Shape> {
+    let shape = inputs[0].layout().shape();
+    let alike = |i: usize| inputs.get(i).is_none_or(|t| t.layout().shape() == shape);
+    let taken =
+        shape.num_dims() == 4 && shape.num_elements() > 0 && [1, 2, 3, 5].into_iter().all(alike);
+    taken.then(|| shape.clone())
+}
+
+/// The attention forward (see the module doc): the output `[batch, heads, seq, d]` and the
+/// logsumexp `[batch, heads, seq]`, or `None` for inputs it does not take (not all f32, not
+/// one non-empty `[batch, heads, seq, d]` shape).
+pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexTensor; 2]> {
+    let shape = taken_attention_shape(&inputs)?;
+    let [query, key, value] = inputs.map(readable_f32);
+    let (query, key, value) = (query?, key?, value?);
+    let (q, k, v) = (Heads::of(&query), Heads::of(&key), Heads::of(&value));
+    let [batch, heads, seq, d] = shape.dims::<4>();
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut output = vec![0.0f32; shape.num_elements()];
+    let mut logsumexp = vec![0.0f32; batch * heads * seq];
+    output
+        .par_chunks_mut(seq * d)
+        .zip(logsumexp.par_chunks_mut(seq))
+        .enumerate()
+        .for_each(|(head, (head_output, head_lse))| {
+            head_output
+                .par_chunks_mut(QUERY_TILE * d)
+                .zip(head_lse.par_chunks_mut(QUERY_TILE))
+                .enumerate()
+                .for_each(|(index, (out, lse))| {
+                    let tile = Tile::new(index, seq, causal);
+                    let mut probs = vec![0.0f32; tile.rows * tile.end];
+                    tile.scores(&q, &k, head, scale, &mut probs);
+                    let mut row_sums = [0.0f32; QUERY_TILE];
+                    tile.each_row(&mut probs, seq, causal, |r, seen| {
+                        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        seen.iter_mut().for_each(|s| *s = (*s - max).exp());
+                        row_sums[r] = seen.iter().sum();
+                        lse[r] = max + row_sums[r].ln();
+                    });
+                    let probs = View::row_major(&probs, tile.rows, tile.end);
+                    gemm_into(out, d, probs, v.rows(head, 0, tile.end), 1.0, false);
+                    for (row, sum) in out.chunks_mut(d).zip(row_sums) {
+                        row.iter_mut().for_each(|o| *o /= sum);
+                    }
+                });
+        });
+    Some([
+        tensor_f32(output, shape),
+        tensor_f32(logsumexp, Shape::new([batch, heads, seq])),
+    ])
+}
+
+/// The attention backward (see the module doc) from `[query, key, value, output, logsumexp,
+/// output_grad]` (the output is not read: `Δ` comes from the tile), the gradients of query, key
+/// and value, or `None` for inputs it does not take (as the forward's).
+pub fn attention_backward(inputs: [FlexTensor; 6], causal: bool) -> Option<[FlexTensor; 3]> {
+    let shape = taken_attention_shape(&inputs)?;
+    let [query, key, value, _output, logsumexp, output_grad] = inputs.map(readable_f32);
+    let (query, key, value, output_grad) = (query?, key?, value?, output_grad?);
+    let logsumexp = logsumexp?.to_contiguous();
+    let (q, k, v) = (Heads::of(&query), Heads::of(&key), Heads::of(&value));
+    let grad = Heads::of(&output_grad);
+    let lse = logsumexp.as_slice::<f32>()?;
+    let [_, _, seq, d] = shape.dims::<4>();
+    let scale = 1.0 / (d as f32).sqrt();
+    let [mut dq, mut dk, mut dv] = [(); 3].map(|_| vec![0.0f32; shape.num_elements()]);
+    dq.par_chunks_mut(seq * d)
+        .zip(dk.par_chunks_mut(seq * d))
+        .zip(dv.par_chunks_mut(seq * d))
+        .enumerate()
+        .for_each(|(head, ((dq, dk), dv))| {
+            let mut probs = vec![0.0f32; QUERY_TILE * seq];
+            let mut score_grads = vec![0.0f32; QUERY_TILE * seq];
+            for index in 0..seq.div_ceil(QUERY_TILE) {
+                let tile = Tile::new(index, seq, causal);
+                let queries = q.rows(head, tile.first, tile.rows);
+                let grads = grad.rows(head, tile.first, tile.rows);
+                let (keys, values) = (k.rows(head, 0, tile.end), v.rows(head, 0, tile.end));
+                let size = tile.rows * tile.end;
+                let (probs, score_grads) = (&mut probs[..size], &mut score_grads[..size]);
+                // P = e^(c·QKᵀ − L), dV += Pᵀ dO.
+                tile.scores(&q, &k, head, scale, probs);
+                tile.each_row(probs, seq, causal, |r, seen| {
+                    let row_lse = lse[head * seq + tile.first + r];
+                    seen.iter_mut().for_each(|s| *s = (*s - row_lse).exp());
+                });
+                let p = View::row_major(probs, tile.rows, tile.end);
+                gemm_into(dv, d, p.t(), grads, 1.0, true);
+                // dS = c·P ∘ (dP − Δ), dP = dO Vᵀ, Δᵢ = Σⱼ Pᵢⱼ dPᵢⱼ.
+                gemm_into(score_grads, tile.end, grads, values.t(), 1.0, false);
+                for (ds, p) in score_grads.chunks_mut(tile.end).zip(probs.chunks(tile.end)) {
+                    let delta: f32 = ds.iter().zip(p).map(|(dp, p)| dp * p).sum();
+                    for (ds, p) in ds.iter_mut().zip(p) {
+                        *ds = scale * p * (*ds - delta);
+                    }
+                }
+                // dQ = dS K, dK += dSᵀ Q.
+                let ds = View::row_major(score_grads, tile.rows, tile.end);
+                gemm_into(&mut dq[tile.first * d..], d, ds, keys, 1.0, false);
+                gemm_into(dk, d, ds.t(), queries, 1.0, true);
+            }
+        });
+    Some([dq, dk, dv].map(|values| tensor_f32(values, shape.clone())))
+}
+
+/// GELU's exponent `E = −2c(z + a·z³)`, in f32 as the kernels compute it.
+fn gelu_exponent(z: f32) -> f32 {
+    -2.0 * GELU_C as f32 * (z + GELU_A as f32 * z * z * z)
+}
+
+/// `g(z) = z / (1 + e^min(E, 80))`.
+fn gelu(z: f32) -> f32 {
+    z / (1.0 + gelu_exponent(z).min(GELU_EXPONENT_CLAMP as f32).exp())
+}
+
+/// `g'(z)` of the clamped form: `s + z·s(1 − s)·2c(1 + 3a·z²)` below the clamp, `s` at it.
+fn gelu_slope(z: f32) -> f32 {
+    let exponent = gelu_exponent(z);
+    let clamp = GELU_EXPONENT_CLAMP as f32;
+    let s = 1.0 / (1.0 + exponent.min(clamp).exp());
+    if exponent < clamp {
+        let growth = 1.0 + 3.0 * GELU_A as f32 * z * z;
+        s + z * s * (1.0 - s) * 2.0 * GELU_C as f32 * growth
+    } else {
+        s
+    }
+}
+
+/// Rows of `columns` elements per parallel task of the elementwise ops: about 64 Ki elements.
+fn rows_per_task(columns: usize) -> usize {
+    (65_536 / columns.max(1)).max(1)
+}
+
+/// `f(x[r, c] + b[c], other[r, c])` for every element of `x: [.., n]` (and of `other`, its
+/// shape, when given), as a new f32 tensor of `x`'s shape; `None` unless all are f32, `n > 0`
+/// and `b` is `[n]`.
+fn biased_elementwise(
+    x: FlexTensor,
+    bias: FlexTensor,
+    other: Option<FlexTensor>,
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) -> Option<FlexTensor> {
+    let shape = x.layout().shape().clone();
+    let columns = shape[shape.num_dims() - 1];
+    let bias_shape = bias.layout().shape();
+    let fits = columns > 0
+        && bias_shape.num_dims() == 1
+        && bias_shape[0] == columns
+        && other
+            .as_ref()
+            .is_none_or(|other| *other.layout().shape() == shape);
+    if !fits {
+        return None;
+    }
+    let contiguous = |t: FlexTensor| (t.dtype() == DType::F32).then(|| t.to_contiguous());
+    let (x, bias) = (contiguous(x)?, contiguous(bias)?);
+    let other = match other {
+        Some(other) => Some(contiguous(other)?),
+        None => None,
+    };
+    let (xs, bs) = (x.as_slice::<f32>()?, bias.as_slice::<f32>()?);
+    let others = other.as_ref().and_then(|t| t.as_slice::<f32>());
+    let mut out = vec![0.0f32; xs.len()];
+    let chunk = rows_per_task(columns) * columns;
+    out.par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(task, out)| {
+            let start = task * chunk;
+            for (r, out) in out.chunks_mut(columns).enumerate() {
+                let row = start + r * columns;
+                for (c, y) in out.iter_mut().enumerate() {
+                    let z = xs[row + c] + bs[c];
+                    *y = f(z, others.map_or(0.0, |o| o[row + c]));
+                }
+            }
+        });
+    Some(tensor_f32(out, shape))
+}
+
+/// `g(x + b)` on `x: [.., n]` and `b: [n]`, both f32.
+pub fn bias_gelu_forward([x, bias]: [FlexTensor; 2]) -> Option<[FlexTensor; 1]> {
+    biased_elementwise(x, bias, None, |z, _| gelu(z)).map(|y| [y])
+}
+
+/// `dx = dy ∘ g'(x + b)` from `[x, b, dy]`, all f32.
+pub fn bias_gelu_backward([x, bias, output_grad]: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
+    biased_elementwise(x, bias, Some(output_grad), |z, dy| dy * gelu_slope(z)).map(|dx| [dx])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `gemm_into` against the sum of products, on plain and transposed views, shapes with ones
+    /// among them, writing and accumulating.
+    #[test]
+    fn gemm_into_matches_the_sum_of_products() {
+        let values: Vec<f32> = (0..4096).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
+        for (m, n, k) in [(1, 1, 1), (1, 32, 1), (1, 1, 32), (3, 5, 7), (32, 17, 64)] {
+            for transposed in [false, true] {
+                let lhs = match transposed {
+                    false => View::row_major(&values, m, k),
+                    true => View::row_major(&values, k, m).t(),
+                };
+                let rhs = View {
+                    offset: 3,
+                    ..View::row_major(&values, n, k).t()
+                };
+                for (accumulate, pad) in [(false, 0), (false, 2), (true, 0), (true, 2)] {
+                    let stride = n + pad;
+                    let mut dst = vec![1.0f32; m * stride];
+                    gemm_into(&mut dst, stride, lhs, rhs, 0.5, accumulate);
+                    for r in 0..m {
+                        for c in 0..n {
+                            let sum: f32 = (0..k).map(|i| lhs.at(r, i) * rhs.at(i, c)).sum();
+                            let expected = 0.5 * sum + if accumulate { 1.0 } else { 0.0 };
+                            let got = dst[r * stride + c];
+                            assert_eq!(got, expected, "{m}×{n}×{k} t {transposed} at ({r}, {c})");
+                        }
+                        if pad > 0 {
+                            assert_eq!(dst[r * stride + n], 1.0, "past the row");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
