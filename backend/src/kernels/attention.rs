@@ -1,5 +1,6 @@
 //! Fused attention with FlashAttention-2's algorithm: the reference implementation in Burn
-//! tensor ops, which runs on every backend (the CubeCL kernels are checked against it).
+//! tensor ops, which runs on every backend, and the autodiff op that routes to the CubeCL
+//! kernels ([`super::flash`]) or Flex's native code ([`super::flex`]) where they run.
 //!
 //! For one head, with `Q, K, V: [T, d]`, scale `s = 1/√d` and (causal) `M_ij = −∞` for `j > i`:
 //!

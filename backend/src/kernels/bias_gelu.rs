@@ -26,7 +26,8 @@
 //!
 //! `x` in f32, f16 or bf16 comes back in its type; `b` may be in any float type (the GPT passes
 //! its fp32 parameter, unrounded). On CubeCL backends the passes are the kernels of [`cube`]
-//! (the forward is the matmul's epilogue kernel); elsewhere the reference in Burn ops.
+//! (the forward is the matmul's epilogue kernel), on Flex in f32 the loops of [`super::flex`];
+//! elsewhere the reference in Burn ops.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
