@@ -404,7 +404,7 @@ fn biased_elementwise(
     if !fits {
         return None;
     }
-    let contiguous = |t: FlexTensor| (t.dtype() == DType::F32).then(|| t.to_contiguous());
+    let contiguous = |t: FlexTensor| readable_f32(t).map(|t| t.to_contiguous());
     let (x, bias) = (contiguous(x)?, contiguous(bias)?);
     let other = match other {
         Some(other) => Some(contiguous(other)?),
