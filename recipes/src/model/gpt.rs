@@ -444,13 +444,15 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
         let qkv = self.c_attn.forward(x);
         let [batch, seq, width] = qkv.dims();
         let (heads, d) = (self.n_head, width / 3);
-        let split_heads =
-            |t: Tensor<B, 3>| t.reshape([batch, seq, heads, d / heads]).swap_dims(1, 2);
-        let mut qkv = qkv.chunk(3, 2).into_iter().map(split_heads);
-        let (q, k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
-            (Some(q), Some(k), Some(v)) => (q, k, v),
-            _ => unreachable!("chunk(3) of a [.., 3d] tensor yields three tensors"),
-        };
+        // `[batch, seq, 3·heads, d_head]` is the projection's own layout, so Q, K and V are
+        // views of it (`narrow` and `swap_dims` move no data; reshaping each third would copy).
+        let sections = qkv.reshape([batch, seq, 3 * heads, d / heads]);
+        let [q, k, v] = [0, 1, 2].map(|section| {
+            sections
+                .clone()
+                .narrow(2, section * heads, heads)
+                .swap_dims(1, 2)
+        });
         // A split projection gives this rank a contiguous range of the heads (the QKV columns
         // are split per section, at head boundaries).
         let split = matches!(self.c_attn, GptLinear::Column(_));
