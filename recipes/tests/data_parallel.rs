@@ -16,19 +16,25 @@
 //!
 //! How far these ulps grow depends on the training trajectory, not on the parallel code, so the
 //! bounds come from several seeds, with the fused ops (the default) and with the decomposed ops
-//! (`train.fused_ops = false`), worst over 10 steps (2026-11-30):
+//! (`train.fused_ops = false`), worst over 10 steps. `WILDFIRE_TEST_SET="train.seed=1
+//! train.fused_ops=false"` (see `common::base_args`) runs these tests on another trajectory;
+//! 2026-12-01, after the native loops' exp changed (Flex's AVX-512 matmuls changed no digit of
+//! the decomposed column):
 //!
 //! | comparison | fused: seed 1337 (here), 0, 1, 2 | decomposed: 1337, 1, 2 | asserted |
 //! |---|---|---|---|
-//! | DDP 2 × 2 micro-batches vs serial | 7.3e-5, 1.6e-5, 4.6e-5, 3.8e-5 | 2.7e-5, 4.1e-5, 1.5e-5 | ≤ 1.5e-4 |
-//! | ZeRO 1 vs DDP | 1.8e-6, 3.9e-7, 1.6e-5, 2.2e-6 | 0, 9.5e-6, 0 | ≤ 5e-5 |
-//! | ZeRO 3 vs DDP (tied) | 9.6e-6, 5.1e-6, 2.9e-5, 1.4e-5 | 7.6e-6, 3.1e-5, 1.7e-5 | ≤ 1e-4 |
-//! | ZeRO 3 vs DDP (untied) | 1.3e-7, 9.4e-8, 8.5e-7, 9.5e-8 | 0, 4.4e-7, 4.6e-7 | ≤ 2e-6 |
+//! | DDP 2 × 2 micro-batches vs serial | 1.2e-5, 1.3e-5, 1.9e-5, 8.8e-5 | 2.7e-5, 4.1e-5, 1.5e-5 | ≤ 1.5e-4 |
+//! | ZeRO 1 vs DDP | 1.0e-5, 5.8e-7, 1.7e-5, 5.3e-7 | 0, 9.5e-6, 0 | ≤ 5e-5 |
+//! | ZeRO 3 vs DDP (tied) | 4.8e-6, 5.7e-6, 6.4e-5, 2.6e-5 | 7.6e-6, 3.1e-5, 1.7e-5 | ≤ 1e-4 |
+//! | ZeRO 3 vs DDP (untied) | 3.5e-6, 5.8e-7, 6.1e-7, 8.0e-7 | 0, 4.4e-7, 4.6e-7 | ≤ 1e-5 |
 //!
-//! (The bounds were 5e-5, 1e-6, 5e-5 and 1e-6, set from seed 1337 on the decomposed ops; seed 1
-//! broke the ZeRO 1 one on either path.) Bugs in the parallel code show up far above these
-//! bounds, and the bitwise checks (DDP with one micro-batch per rank, ZeRO 2 and offload against
-//! ZeRO 1, resume) hold on every seed.
+//! On 2026-11-30, with the C library's `expf`, the fused column read 7.3e-5, 1.6e-5, 4.6e-5,
+//! 3.8e-5; 1.8e-6, 3.9e-7, 1.6e-5, 2.2e-6; 9.6e-6, 5.1e-6, 2.9e-5, 1.4e-5; 1.3e-7, 9.4e-8,
+//! 8.5e-7, 9.5e-8 (the decomposed one as now), and the untied ZeRO 3 bound was 2e-6, which
+//! seed 1337's new trajectory broke. (Before that the bounds were 5e-5, 1e-6, 5e-5 and 1e-6,
+//! set from seed 1337 on the decomposed ops; seed 1 broke the ZeRO 1 one on either path.) Bugs
+//! in the parallel code show up far above these bounds, and the bitwise checks (DDP with one
+//! micro-batch per rank, ZeRO 2 and offload against ZeRO 1, resume) hold on every seed.
 
 mod common;
 
@@ -134,7 +140,7 @@ fn every_zero_stage_trains_like_ddp() {
         (
             &["--zero", "3", "--set", "model.tie_embeddings=false"],
             "ddp-untied",
-            2e-6,
+            1e-5,
         ),
     ];
     let mut runs = std::collections::HashMap::from([("ddp".to_string(), ddp)]);

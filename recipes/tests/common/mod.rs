@@ -48,6 +48,15 @@ pub fn run_dir(name: &str) -> RunDir {
     RunDir(dir)
 }
 
+/// Config keys that `WILDFIRE_TEST_SET` (space-separated `section.key=value`) adds to every
+/// run of [`base_args`]: how the tolerance tables in these tests' docs are measured on other
+/// trajectories, e.g. `WILDFIRE_TEST_SET="train.seed=1 train.fused_ops=false"`.
+fn test_sets() -> Vec<String> {
+    std::env::var("WILDFIRE_TEST_SET")
+        .map(|sets| sets.split_whitespace().map(String::from).collect())
+        .unwrap_or_default()
+}
+
 /// 10 steps of the tiny model (4 blocks) on short windows, 4 micro-batches per step,
 /// evaluated at the end.
 pub fn base_args(dir: &Path) -> Vec<String> {
@@ -64,7 +73,7 @@ pub fn base_args(dir: &Path) -> Vec<String> {
         "run.threads=1".into(),
     ];
     let mut args = vec!["train".to_string(), "--microbatches".into(), "4".into()];
-    for set in sets {
+    for set in sets.into_iter().chain(test_sets()) {
         args.push("--set".into());
         args.push(set);
     }
