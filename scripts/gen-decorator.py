@@ -3,10 +3,11 @@
 Burn's op traits.
 
 Every op of every op trait forwards to the inner backend, the ops with default bodies too (or
-the inner backend's own implementation would be silently replaced by the generic default).
-An op defined in backend/src/decorator/overrides.rs (a `pub(super) fn` of the same name, generic
-over the inner backend) is called there instead: that file is the one place wildfire changes an
-op. Usage: scripts/gen-decorator.py <burn-backend-0.21.0/src/backend/ops>
+the inner backend's own implementation would be silently replaced by the generic default),
+except the few in COMPOSED. An op defined in backend/src/decorator/overrides.rs (a
+`pub(super) fn` of the same name, generic over the inner backend) is called there instead: that
+file is the one place wildfire changes an op. Usage:
+scripts/gen-decorator.py <burn-backend-0.21.0/src/backend/ops>
 """
 import os
 import re
@@ -21,6 +22,12 @@ TRAITS = [
     ("transaction.rs", "TransactionOps"),
     ("modules/base.rs", "ModuleOps"),
 ]
+
+# Ops `Parallel<B>` leaves at their trait's default body, a composition of other ops, so that
+# those ops run as `Parallel<B>`'s: a linear layer's matmuls then take the decorator's matmul
+# (its precision policy, its Flex matmul) rather than the inner backend's. No inner backend we
+# run (Flex, CubeCL's) has its own version of these; the script fails if one loses its default.
+COMPOSED = {"linear", "linear_x_backward", "linear_weight_backward"}
 
 
 def strip_comments(src):
@@ -150,8 +157,11 @@ def main():
         src = strip_comments(open(os.path.join(ops_dir, file)).read())
         body = trait_body(src, trait)
         out.append(f"impl<B: Backend> {trait}<Self> for Parallel<B> {{")
-        for sig, _default in items(body):
+        for sig, default in items(body):
             name = fn_name(sig)
+            if name in COMPOSED:
+                assert default, f"{trait}::{name} has no default body to keep"
+                continue
             # Types generic over the backend (not aliases of its primitives) are rebuilt for the
             # inner backend on the way in and for `Parallel<B>` on the way out.
             args = [f"Rewrap::rewrap({n})" if special.search(t) else n for n, t in param_list(sig)]

@@ -77,8 +77,9 @@ fn routed_attention_matches_decomposed(device: &WgpuDevice) {
 }
 
 /// On `Parallel<Flex>`: off is the backend's own matmul, bit for bit; bf16 is the reference
-/// mixed-precision matmul (inputs rounded to bf16), bit for bit, and differs from f32; and the
-/// backward's matmuls under `Autodiff<Parallel<Flex>>` take the policy too.
+/// mixed-precision matmul (inputs rounded to bf16), bit for bit, and differs from f32, also in
+/// a linear layer; and the backward's matmuls under `Autodiff<Parallel<Flex>>` take the policy
+/// too.
 fn matmul_policy_on_flex() {
     let device = Default::default();
     let [x, w] = [uniform([8, 48], 1), uniform([48, 16], 2)];
@@ -108,13 +109,25 @@ fn matmul_policy_on_flex() {
     );
     assert_eq!(
         values(decorated()),
-        values(expected.into_data()),
+        values(expected.to_data()),
         "policy bf16"
     );
     assert_ne!(
         values(decorated()),
         values(plain),
         "bf16 rounding changes the product"
+    );
+    // A linear layer (Burn's `module::linear`, what `nn::Linear` runs) multiplies through the
+    // decorator's matmul, so it takes the policy as well.
+    let linear = burn::tensor::module::linear(
+        Tensor::<Parallel<Flex>, 2>::from_data(x.clone(), &device),
+        Tensor::from_data(w.clone(), &device),
+        None,
+    );
+    assert_eq!(
+        values(linear.into_data()),
+        values(expected.into_data()),
+        "a linear layer under bf16"
     );
 
     // d(Σ x·w)/dx = 1·wᵀ, itself a matmul the policy rounds.

@@ -45,12 +45,12 @@ fn checkpointing_and_the_fused_ops_lower_the_peak_heap_of_forward_and_backward()
     the_fused_ops_keep_less_than_the_decomposed_ones(none);
 }
 
-/// Measured on the tiny model (fused attention and fused bias + GELU, as native code on Flex):
-/// none ≈ 90 MiB, full ≈ 36 MiB (0.40×), selective ≈ 72 MiB (0.80×). (Before the MLP's bias +
-/// GELU was fused, none was ≈ 142 MiB: the fused op keeps one tensor of the hidden's size where
-/// the decomposed graph kept five, which is most of what selective checkpointing recomputes.) The bounds
-/// leave room for allocator and thread-pool differences: full below 0.55× and selective below
-/// 0.9× of no checkpointing.
+/// Measured on the tiny model (fused attention on the packed QKV projection and fused bias +
+/// GELU, as native code on Flex): none ≈ 85 MiB, full ≈ 32 MiB (0.37×), selective ≈ 65 MiB
+/// (0.77×). (Before the MLP's bias + GELU was fused, none was ≈ 142 MiB: the fused op keeps one
+/// tensor of the hidden's size where the decomposed graph kept five, which is most of what
+/// selective checkpointing recomputes.) The bounds leave room for allocator and thread-pool
+/// differences: full below 0.55× and selective below 0.9× of no checkpointing.
 ///
 /// Returns none's peak and losses.
 fn checkpointing_lowers_the_peak() -> (f64, Vec<f64>) {
@@ -72,7 +72,7 @@ fn checkpointing_lowers_the_peak() -> (f64, Vec<f64>) {
 }
 
 /// Measured on the tiny model: the fused ops (attention, and the MLP's bias + GELU) hold the
-/// peak to ≈ 90 MiB against ≈ 186 MiB on the decomposed ops (0.48×); asserted below 0.7×. The
+/// peak to ≈ 85 MiB against ≈ 190 MiB on the decomposed ops (0.45×); asserted below 0.7×. The
 /// losses agree within 1e-5 relative (the two sum the same terms in other orders).
 fn the_fused_ops_keep_less_than_the_decomposed_ones((fused, fused_losses): (f64, Vec<f64>)) {
     let (decomposed, losses) = activation_peak("none", false);

@@ -1473,25 +1473,6 @@ impl<B: Backend> ModuleOps<Self> for Parallel<B> {
     ) -> FloatTensor<Self> {
         B::embedding_backward(weights, output_grad, indices)
     }
-    fn linear(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        B::linear(x, weight, bias)
-    }
-    fn linear_x_backward(
-        weight: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        B::linear_x_backward(weight, output_grad)
-    }
-    fn linear_weight_backward(
-        x: FloatTensor<Self>,
-        output_grad: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        B::linear_weight_backward(x, output_grad)
-    }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
         B::linear_bias_backward(output_grad)
     }

@@ -9,10 +9,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 use super::Parallel;
+use crate::kernels::flex_matmul;
 use crate::kernels::matmul::{matmul_precision, policy_matmul};
+use crate::kernels::route::on_flex;
 
 /// Float matmul under the process-wide [`MatmulPrecision`](crate::kernels::matmul::MatmulPrecision)
-/// policy: the inner backend's own when it is off; otherwise inputs rounded to bf16 or f16,
+/// policy: the inner backend's own when it is off (on Flex in f32, the same products without
+/// Flex's copy of each output: [`flex_matmul`]); otherwise inputs rounded to bf16 or f16,
 /// products accumulated in f32, the result in `lhs`'s type (the mixed-precision kernel on
 /// CubeCL backends, its reference elsewhere). Under `Autodiff<Parallel<B>>` the
 /// backward's matmuls come here too.
@@ -21,7 +24,10 @@ pub(super) fn float_matmul<B: Backend>(
     rhs: FloatTensor<Parallel<B>>,
 ) -> FloatTensor<Parallel<B>> {
     match matmul_precision().compute_dtype() {
-        None => B::float_matmul(lhs, rhs),
+        None => match on_flex([lhs, rhs], flex_matmul::matmul) {
+            Ok([product]) => product,
+            Err([lhs, rhs]) => B::float_matmul(lhs, rhs),
+        },
         Some(compute) => {
             let device = B::float_device(&lhs);
             assert!(

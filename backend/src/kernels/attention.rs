@@ -213,6 +213,12 @@ pub trait FusedAttentionBackend: Backend {
         value: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self>;
+
+    /// The same on Q, K and V packed in one projection, `qkv: [batch, seq, 3·heads, d_head]`
+    /// (see [`unpack`]): one op with one input, so its backward hands `qkv` one gradient in the
+    /// packed layout, where three views of it would each give a zero-filled full-size gradient
+    /// to be summed.
+    fn fused_qkv_attention(qkv: FloatTensor<Self>, causal: bool) -> FloatTensor<Self>;
 }
 
 /// Fused attention on `Tensor`s (see [`FusedAttentionBackend`]).
@@ -222,13 +228,62 @@ pub fn fused_attention<B: FusedAttentionBackend>(
     value: Tensor<B, 4>,
     causal: bool,
 ) -> Tensor<B, 4> {
-    let primitive = |t: Tensor<B, 4>| t.into_primitive().tensor();
     tensor(B::fused_attention(
         primitive(query),
         primitive(key),
         primitive(value),
         causal,
     ))
+}
+
+/// Fused self-attention on a packed projection `qkv: [batch, seq, 3·heads, d_head]` (a GPT's
+/// QKV projection reshaped; see [`unpack`]): `[batch, heads, seq, d_head]`, the same values as
+/// [`fused_attention`] on the three views, with one gradient for `qkv`.
+///
+/// # Panics
+/// When `qkv`'s third dimension is not a multiple of 3.
+pub fn fused_qkv_attention<B: FusedAttentionBackend>(
+    qkv: Tensor<B, 4>,
+    causal: bool,
+) -> Tensor<B, 4> {
+    let dims = qkv.dims();
+    assert!(
+        dims[2].is_multiple_of(3),
+        "fused_qkv_attention: qkv of shape {dims:?} has {} heads in its third dimension, not \
+         3 equal sections (Q, K, V)",
+        dims[2]
+    );
+    tensor(B::fused_qkv_attention(primitive(qkv), causal))
+}
+
+/// Q, K and V as views of a packed projection `qkv: [batch, seq, 3·heads, d_head]` whose third
+/// dimension holds Q's heads, then K's, then V's: each `[batch, heads, seq, d_head]`, no data
+/// moved.
+pub fn unpack<B: Backend>(qkv: Tensor<B, 4>) -> [Tensor<B, 4>; 3] {
+    let heads = qkv.dims()[2] / 3;
+    [0, 1, 2].map(|section| {
+        qkv.clone()
+            .narrow(2, section * heads, heads)
+            .swap_dims(1, 2)
+    })
+}
+
+/// The inverse of [`unpack`]: Q's, K's and V's `[batch, heads, seq, d_head]` (their gradients)
+/// in one `[batch, seq, 3·heads, d_head]`; on Flex one pass of row copies ([`flex::pack_heads`];
+/// Flex's `cat` would first copy each transposed section, element by element).
+pub fn pack<B: Backend>(sections: [Tensor<B, 4>; 3]) -> Tensor<B, 4> {
+    match on_flex(sections.map(primitive), flex::pack_heads) {
+        Ok([packed]) => tensor(packed),
+        Err(sections) => {
+            let sections = sections.map(|section| tensor::<B, 4>(section).swap_dims(1, 2));
+            Tensor::cat(sections.to_vec(), 2)
+        }
+    }
+}
+
+/// A rank-4 float `Tensor`'s primitive.
+fn primitive<B: Backend>(tensor: Tensor<B, 4>) -> FloatTensor<B> {
+    tensor.into_primitive().tensor()
 }
 
 /// FlashAttention-2's forward kernel ([`flash::forward`]).
@@ -319,46 +374,104 @@ impl<B: Backend> FusedAttentionBackend for Parallel<B> {
         value: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self> {
-        forward_on::<Self>(query, key, value, causal)
-            .output
-            .into_primitive()
-            .tensor()
+        primitive(forward_on::<Self>(query, key, value, causal).output)
+    }
+
+    fn fused_qkv_attention(qkv: FloatTensor<Self>, causal: bool) -> FloatTensor<Self> {
+        let [query, key, value] = FusedAttentionBackward::<1>::views::<Self>([qkv]);
+        Self::fused_attention(query, key, value, causal)
     }
 }
 
-/// The autodiff node of fused attention: its backward is [`attention_backward`].
+/// The autodiff node of fused attention with `N` inputs: Q, K and V apart (`N = 3`) or packed
+/// in one projection (`N = 1`). Its backward is the fused one ([`backward_on`]).
 #[derive(Debug)]
-struct FusedAttentionBackward {
+struct FusedAttentionBackward<const N: usize> {
     causal: bool,
 }
 
-/// What the backward keeps: the inputs, the output and the logsumexp.
-type SavedAttention<B> = [FloatTensor<B>; 5];
+/// How an attention op's `N` inputs hold Q, K and V, and how the inputs' gradients are made of
+/// Q's, K's and V's.
+trait AttentionInputs<const N: usize> {
+    fn views<B: Backend>(inputs: [FloatTensor<B>; N]) -> [FloatTensor<B>; 3];
+    fn grads<B: Backend>(grads: AttentionGrads<B>) -> [FloatTensor<B>; N];
+}
 
-impl<B: Backend> Backward<Parallel<B>, 3> for FusedAttentionBackward {
-    type State = SavedAttention<Parallel<B>>;
+impl AttentionInputs<3> for FusedAttentionBackward<3> {
+    fn views<B: Backend>(inputs: [FloatTensor<B>; 3]) -> [FloatTensor<B>; 3] {
+        inputs
+    }
+
+    fn grads<B: Backend>(grads: AttentionGrads<B>) -> [FloatTensor<B>; 3] {
+        [grads.query, grads.key, grads.value].map(primitive)
+    }
+}
+
+impl AttentionInputs<1> for FusedAttentionBackward<1> {
+    fn views<B: Backend>([qkv]: [FloatTensor<B>; 1]) -> [FloatTensor<B>; 3] {
+        unpack(tensor::<B, 4>(qkv)).map(primitive)
+    }
+
+    fn grads<B: Backend>(grads: AttentionGrads<B>) -> [FloatTensor<B>; 1] {
+        [primitive(pack([grads.query, grads.key, grads.value]))]
+    }
+}
+
+/// What the backward keeps: the inputs, the output and the logsumexp.
+type SavedAttention<B, const N: usize> = ([FloatTensor<B>; N], FloatTensor<B>, FloatTensor<B>);
+
+impl<B: Backend, const N: usize> Backward<Parallel<B>, N> for FusedAttentionBackward<N>
+where
+    Self: AttentionInputs<N>,
+{
+    type State = SavedAttention<Parallel<B>, N>;
 
     fn backward(
         self,
-        ops: Ops<Self::State, 3>,
+        ops: Ops<Self::State, N>,
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
         let output_grad = grads.consume::<Parallel<B>>(&ops.node);
-        let [query, key, value, output, logsumexp] = ops.state;
+        let (inputs, output, logsumexp) = ops.state;
+        let [query, key, value] = Self::views::<Parallel<B>>(inputs);
         let input_grads = backward_on::<Parallel<B>>(
             [query, key, value, output, logsumexp, output_grad],
             self.causal,
         );
-        let [query_node, key_node, value_node] = ops.parents;
-        for (node, grad) in [
-            (query_node, input_grads.query),
-            (key_node, input_grads.key),
-            (value_node, input_grads.value),
-        ] {
+        for (node, grad) in ops
+            .parents
+            .into_iter()
+            .zip(Self::grads::<Parallel<B>>(input_grads))
+        {
             if let Some(node) = node {
-                grads.register::<Parallel<B>>(node.id, grad.into_primitive().tensor());
+                grads.register::<Parallel<B>>(node.id, grad);
             }
+        }
+    }
+}
+
+impl<const N: usize> FusedAttentionBackward<N>
+where
+    Self: AttentionInputs<N>,
+{
+    /// The forward on `inputs`, recorded as this node (keeping what its backward needs when
+    /// the graph is tracked).
+    fn record<B: Backend, C: CheckpointStrategy>(
+        self,
+        inputs: [FloatTensor<Autodiff<Parallel<B>, C>>; N],
+    ) -> FloatTensor<Autodiff<Parallel<B>, C>> {
+        let nodes = inputs.each_ref().map(|input| input.node.clone());
+        let inputs = inputs.map(|input| input.primitive);
+        let [query, key, value] = Self::views::<Parallel<B>>(inputs.clone());
+        let forward = forward_on::<Parallel<B>>(query, key, value, self.causal);
+        let output = primitive(forward.output);
+        match self.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let logsumexp = forward.logsumexp.into_primitive().tensor();
+                prep.finish((inputs, output.clone(), logsumexp), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(output),
         }
     }
 }
@@ -370,28 +483,11 @@ impl<B: Backend, C: CheckpointStrategy> FusedAttentionBackend for Autodiff<Paral
         value: FloatTensor<Self>,
         causal: bool,
     ) -> FloatTensor<Self> {
-        let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
-        let inputs = [query.primitive, key.primitive, value.primitive];
-        let forward = forward_on::<Parallel<B>>(
-            inputs[0].clone(),
-            inputs[1].clone(),
-            inputs[2].clone(),
-            causal,
-        );
-        let output = forward.output.into_primitive().tensor();
-        let prepared = FusedAttentionBackward { causal }
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful();
-        match prepared {
-            OpsKind::Tracked(prep) => {
-                let [query, key, value] = inputs;
-                let logsumexp = forward.logsumexp.into_primitive().tensor();
-                let state = [query, key, value, output.clone(), logsumexp];
-                prep.finish(state, output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        }
+        FusedAttentionBackward::<3> { causal }.record::<B, C>([query, key, value])
+    }
+
+    fn fused_qkv_attention(qkv: FloatTensor<Self>, causal: bool) -> FloatTensor<Self> {
+        FusedAttentionBackward::<1> { causal }.record::<B, C>([qkv])
     }
 }
 
@@ -542,5 +638,58 @@ mod tests {
             assert!(error < 2e-5, "{name} off by {error}");
         }
         assert!(vf.grad(&fused_grads).is_none(), "V needs no gradient");
+    }
+
+    /// The packed op is the same computation on views: through `Autodiff<Parallel<Flex>>` its
+    /// output and its one `qkv` gradient equal (exactly) those of `fused_attention` on
+    /// [`unpack`]'s three views, whose gradients the graph sums into `qkv`'s.
+    #[test]
+    fn packed_qkv_attention_equals_attention_on_its_views() {
+        type P = Autodiff<crate::Parallel<Flex>>;
+        let device = Default::default();
+        let qkv =
+            Tensor::<P, 4>::random([2, 37, 3 * 2, 16], Distribution::Normal(0.0, 1.0), &device);
+        let g = Tensor::<P, 4>::random([2, 2, 37, 16], Distribution::Normal(0.0, 1.0), &device);
+        let values = |t: Tensor<P, 4>| t.into_data().to_vec::<f32>().unwrap();
+        let run = |packed: bool| {
+            let qkv = qkv.clone().require_grad();
+            let output = match packed {
+                true => fused_qkv_attention(qkv.clone(), true),
+                false => {
+                    let [q, k, v] = unpack(qkv.clone());
+                    fused_attention(q, k, v, true)
+                }
+            };
+            let grads = (output.clone() * g.clone()).sum().backward();
+            let grad = Tensor::<P, 4>::from_inner(qkv.grad(&grads).unwrap());
+            (values(output), values(grad))
+        };
+        let (packed, views) = (run(true), run(false));
+        assert!(packed.0 == views.0, "outputs differ");
+        assert!(packed.1 == views.1, "qkv gradients differ");
+    }
+
+    /// `pack` (on Flex, its native row copies) equals the concatenation in tensor ops it stands
+    /// for, on contiguous and on transposed sections, and `unpack` takes it apart again.
+    #[test]
+    fn pack_is_the_concatenation_of_the_transposed_sections() {
+        let device = Default::default();
+        let draw = || Tensor::<B, 4>::random([2, 3, 5, 4], Distribution::Default, &device);
+        let transposed = Tensor::<B, 4>::random([2, 3, 4, 5], Distribution::Default, &device);
+        let sections = [draw(), transposed.swap_dims(2, 3), draw()];
+        let concatenated = Tensor::cat(sections.clone().map(|s| s.swap_dims(1, 2)).to_vec(), 2);
+        let packed = pack(sections.clone());
+        assert_eq!(packed.dims(), [2, 5, 9, 4]);
+        assert_eq!(packed.to_data(), concatenated.into_data());
+        for (section, unpacked) in sections.into_iter().zip(unpack(packed)) {
+            assert_eq!(unpacked.into_data(), section.into_data());
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "qkv of shape [1, 4, 5, 8] has 5 heads")]
+    fn packed_qkv_attention_names_a_width_that_is_not_three_sections() {
+        let qkv = Tensor::<crate::Parallel<Flex>, 4>::zeros([1, 4, 5, 8], &Default::default());
+        let _ = fused_qkv_attention(qkv, true);
     }
 }

@@ -357,6 +357,32 @@ pub fn attention_backward(inputs: [FlexTensor; 6], causal: bool) -> Option<[Flex
     Some([dq, dk, dv].map(|values| tensor_f32(values, shape.clone())))
 }
 
+/// Q's, K's and V's `[batch, heads, seq, d]` f32 (their gradients) in one `[batch, seq,
+/// 3·heads, d]`: [`super::attention::pack`] as one pass of row copies, positions in parallel, or
+/// `None` for inputs it does not take (as the attention's).
+pub fn pack_heads(sections: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
+    let shape = taken_attention_shape(&sections)?;
+    let [q, k, v] = sections.map(readable_f32);
+    let (q, k, v) = (q?, k?, v?);
+    let sources = [Heads::of(&q), Heads::of(&k), Heads::of(&v)];
+    let [batch, heads, seq, d] = shape.dims::<4>();
+    let mut packed = vec![0.0f32; 3 * shape.num_elements()];
+    packed
+        .par_chunks_mut(3 * heads * d)
+        .enumerate()
+        .for_each(|(position, rows)| {
+            let (b, t) = (position / seq, position % seq);
+            for (row, packed_row) in rows.chunks_mut(d).enumerate() {
+                let (section, h) = (row / heads, row % heads);
+                let source = sources[section].rows(b * heads + h, t, 1);
+                for (c, value) in packed_row.iter_mut().enumerate() {
+                    *value = source.data[source.offset + c * source.col_stride];
+                }
+            }
+        });
+    Some([tensor_f32(packed, Shape::new([batch, seq, 3 * heads, d]))])
+}
+
 /// `e^x` in f32, within 2 ulp, in arithmetic a loop over it vectorises into (the C library's
 /// `expf` is one call per element): `x = n·ln 2 + r` with `n` the integer nearest `x·log₂e` and
 /// `|r| ≤ ln 2 / 2`; `e^r` by its Taylor polynomial to degree 7 (remainder under 2⁻²⁷ relative);

@@ -6,6 +6,7 @@
 //!   autodiff op.
 //! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
 //! - [`flex`]: fused attention and bias + GELU as native loops on Flex (Burn's CPU backend).
+//! - [`flex_matmul`]: Flex's f32 matmul with its output written once (Flex copies each one).
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
 //! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
@@ -16,6 +17,7 @@ pub mod attention;
 pub mod bias_gelu;
 pub mod flash;
 pub mod flex;
+pub mod flex_matmul;
 pub mod matmul;
 pub mod probe;
 pub mod route;

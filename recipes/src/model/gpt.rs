@@ -20,7 +20,7 @@ use wildfire_backend::collective::{
     all_gather_from_sequence_region, copy_to_parallel_region, scatter_to_parallel_region,
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
-use wildfire_backend::kernels::attention::fused_attention;
+use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
@@ -444,15 +444,9 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
         let qkv = self.c_attn.forward(x);
         let [batch, seq, width] = qkv.dims();
         let (heads, d) = (self.n_head, width / 3);
-        // `[batch, seq, 3·heads, d_head]` is the projection's own layout, so Q, K and V are
-        // views of it (`narrow` and `swap_dims` move no data; reshaping each third would copy).
+        // `[batch, seq, 3·heads, d_head]` is the projection's own layout: Q, K and V are views
+        // of it (`unpack`; reshaping each third would copy), and the fused op takes it whole.
         let sections = qkv.reshape([batch, seq, 3 * heads, d / heads]);
-        let [q, k, v] = [0, 1, 2].map(|section| {
-            sections
-                .clone()
-                .narrow(2, section * heads, heads)
-                .swap_dims(1, 2)
-        });
         // A split projection gives this rank a contiguous range of the heads (the QKV columns
         // are split per section, at head boundaries).
         let split = matches!(self.c_attn, GptLinear::Column(_));
@@ -462,8 +456,11 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             whole: heads * tp.group.size(),
         });
         let y = match self.fused && self.attn_dropout.prob == 0.0 {
-            true => fused_attention(q, k, v, true),
-            false => causal_attention(q, k, v, &self.attn_dropout, head_part),
+            true => fused_qkv_attention(sections, true),
+            false => {
+                let [q, k, v] = unpack(sections);
+                causal_attention(q, k, v, &self.attn_dropout, head_part)
+            }
         };
         let y = self
             .c_proj
