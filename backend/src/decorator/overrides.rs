@@ -1,4 +1,6 @@
-//! The one place wildfire changes what an op does on `Parallel<B>`.
+//! The one place wildfire changes what an op does on `Parallel<B>`. (The linear layer's ops
+//! are not forwarded at all: they keep Burn's default composition, so that their matmuls come
+//! to [`float_matmul`] here; `COMPOSED` in `scripts/gen-decorator.py`.)
 //!
 //! Every `pub(super) fn` here is an op of one of Burn's op traits, generic over the inner
 //! backend `B`, with the op's own parameters. `scripts/gen-decorator.py` makes the op's impl in

@@ -83,7 +83,6 @@ impl<'a> View<'a> {
     }
 
     /// Element `(r, c)`.
-    #[cfg(test)]
     fn at(&self, r: usize, c: usize) -> f32 {
         self.data[self.offset + r * self.row_stride + c * self.col_stride]
     }
@@ -376,7 +375,7 @@ pub fn pack_heads(sections: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
                 let (section, h) = (row / heads, row % heads);
                 let source = sources[section].rows(b * heads + h, t, 1);
                 for (c, value) in packed_row.iter_mut().enumerate() {
-                    *value = source.data[source.offset + c * source.col_stride];
+                    *value = source.at(0, c);
                 }
             }
         });
