@@ -14,12 +14,16 @@ pub use decorator::Parallel;
 use collective::CollectiveBackend;
 use kernels::attention::FusedAttentionBackend;
 use kernels::bias_gelu::FusedBiasGeluBackend;
+use kernels::layer_norm::FusedLayerNormBackend;
 
 /// What the decorator gives a backend: collectives and fused kernels. `Parallel<B>` and
 /// `Autodiff<Parallel<B>>` are decorated backends; a model written for one runs on both.
 pub trait DecoratedBackend:
-    CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend
+    CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend + FusedLayerNormBackend
 {
 }
 
-impl<B: CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend> DecoratedBackend for B {}
+impl<B> DecoratedBackend for B where
+    B: CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend + FusedLayerNormBackend
+{
+}

@@ -26,6 +26,7 @@ use std::ops::Range;
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
+use burn::tensor::module::linear;
 use burn::tensor::{FloatDType, Int, Tensor};
 use wildfire_backend::collective::{
     self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
@@ -174,7 +175,7 @@ impl<B: CollectiveBackend> ColumnParallelLinear<B> {
             copy_to_parallel_region(x, group)?
         };
         let dtype = FloatDType::from(x.dtype());
-        let product = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
+        let product = linear(x, in_dtype(self.weight.val(), dtype), None);
         let y = epilogue(product, self.bias.as_ref().map(Param::val));
         match self.gather_output {
             true => gather_from_parallel_region(y, group, D - 1),
@@ -223,7 +224,7 @@ impl<B: CollectiveBackend> RowParallelLinear<B> {
     /// `x` is this rank's input columns (`[.., n_in/p]`, e.g. a column-parallel output).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Result<Tensor<B, D>, CommError> {
         let dtype = FloatDType::from(x.dtype());
-        let partial = x.matmul(in_dtype(self.weight.val(), dtype).unsqueeze());
+        let partial = linear(x, in_dtype(self.weight.val(), dtype), None);
         let group = group_of(&self.group);
         let y = if self.sequence_parallel {
             reduce_scatter_to_sequence_region(partial, group, 1)?

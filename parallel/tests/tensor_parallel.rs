@@ -14,6 +14,7 @@ mod common;
 use burn::backend::{Autodiff, Flex};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::activation::gelu;
+use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::{assert_close, threads, values};
 use wildfire_backend::Parallel;
@@ -53,7 +54,9 @@ const N_IN: usize = 6;
 /// A fused QKV-like output: 3 sections of 5 columns (5 does not divide by 2 or 4).
 const SECTION: usize = 5;
 
-/// Serial `y = xW + b` and the gradients of `Σ y·c`: (y, dx, dW, db).
+/// Serial `y = xW + b` and the gradients of `Σ y·c`: (y, dx, dW, db). The product is Burn's
+/// linear op, as the parallel layers compute theirs (on `Parallel<B>` its weight gradient sums
+/// over all rows in one product; a batched matmul would sum per batch entry, then over them).
 fn serial_linear(
     x: &Tensor<B, 3>,
     w: &Tensor<B, 2>,
@@ -65,7 +68,7 @@ fn serial_linear(
         w.clone().require_grad(),
         b.clone().require_grad(),
     );
-    let y = x.clone().matmul(w.clone().unsqueeze()) + b.clone().unsqueeze();
+    let y = linear(x.clone(), w.clone(), None) + b.clone().unsqueeze();
     let grads = (y.clone() * c.clone()).sum().backward();
     [
         data(y),

@@ -36,11 +36,14 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata};
 
 use super::flex;
 use super::route::{on_cube, on_flex};
-use super::{GELU_A, GELU_C, GELU_EXPONENT_CLAMP, gelu_exponent, gelu_tanh_f32, in_dtype, tensor};
+use super::{
+    GELU_A, GELU_C, GELU_EXPONENT_CLAMP, as_rows, cast_primitive, gelu_exponent, gelu_tanh_f32,
+    in_dtype, tensor,
+};
 use crate::Parallel;
 pub use cube::{backward_kernel, forward_kernel};
 
@@ -102,14 +105,6 @@ fn gelu_slope_f32<B: Backend>(z: Tensor<B, 2>) -> Tensor<B, 2> {
     s + z * slope_of_s * unclamped
 }
 
-/// `t: [.., n]` as `[rows, n]`.
-fn as_rows<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
-    let shape = t.shape();
-    let columns = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements().checked_div(columns).unwrap_or(0);
-    tensor(B::float_reshape(t, Shape::new([rows, columns])))
-}
-
 /// `t` (of `[rows, n]`) reshaped to `shape`.
 fn reshaped<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
     B::float_reshape(t.into_primitive().tensor(), shape)
@@ -144,21 +139,13 @@ fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> FloatTensor<B> {
     }
 }
 
-/// `db = Σ_rows dx` from `dx: [.., n]` in f32, summed over the leading dims one at a time as
-/// Burn's linear layer sums its bias gradient: a whole layer and a column-parallel part of it
-/// then sum each column in the same order, so their bias gradients agree bitwise.
+/// `db = Σ_rows dx` from `dx: [.., n]` in f32, summed over the leading dims one at a time: a
+/// whole layer and a column-parallel part of it sum each column in the same order, so their
+/// bias gradients agree bitwise.
 fn bias_grad<B: Backend>(grad: FloatTensor<B>, columns: usize) -> FloatTensor<B> {
     let leading = grad.shape().num_dims() - 1;
     let sum = (0..leading).fold(grad, |sum, dim| B::float_sum_dim(sum, dim));
     B::float_reshape(sum, Shape::new([columns]))
-}
-
-/// `t` in `dtype`, as it is when it already is.
-fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
-    match t.dtype() == DType::from(dtype) {
-        true => t,
-        false => B::float_cast(t, dtype),
-    }
 }
 
 impl<B: Backend> FusedBiasGeluBackend for Parallel<B> {
@@ -188,10 +175,13 @@ impl<B: Backend> Backward<Parallel<B>, 2> for BiasGeluBackward {
         let [x_node, bias_node] = ops.parents;
         if let Some(node) = bias_node {
             let bias_grad = bias_grad::<Parallel<B>>(grad.clone(), columns);
-            grads.register::<Parallel<B>>(node.id, cast::<Parallel<B>>(bias_grad, bias_dtype));
+            grads.register::<Parallel<B>>(
+                node.id,
+                cast_primitive::<Parallel<B>>(bias_grad, bias_dtype),
+            );
         }
         if let Some(node) = x_node {
-            grads.register::<Parallel<B>>(node.id, cast::<Parallel<B>>(grad, x_dtype));
+            grads.register::<Parallel<B>>(node.id, cast_primitive::<Parallel<B>>(grad, x_dtype));
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The fused ops as native code on Flex, Burn's CPU backend: what `Parallel<Flex>` runs for
-//! fused attention and the fused bias + GELU in f32, on rayon's threads. The reference in Burn
-//! tensor ops computes the same values one Flex op at a time (most of them on one thread, each
-//! writing a new tensor); these read the inputs in place and keep only a tile of scores.
+//! fused attention, the fused bias + GELU and the fused LayerNorm in f32, on rayon's threads.
+//! The reference in Burn tensor ops computes the same values one Flex op at a time (most of
+//! them on one thread, each writing a new tensor); these read the inputs in place and keep
+//! only a tile of scores.
 //!
 //! **Attention**, per head of `[batch, heads, seq, d]` f32 inputs (the GPT's heads are a strided
 //! view of its qkv projection, read as they lie), in tiles of `QUERY_TILE` (32) queries, with
@@ -9,10 +10,11 @@
 //! tile's end when causal) and `M` the causal mask inside the tile. The products are Flex's own
 //! matmul kernels (the `gemm` crate) on one thread each:
 //!
-//! - forward, tiles in parallel: `S = c·Q_t Kᵀ`, per row `m = max S`, `P = e^(S − m)` (0 under
-//!   `M`), `ℓ = Σ P`; then `O_t = (P V) / ℓ` and `L = m + ln ℓ`: FlashAttention-2's output and
-//!   logsumexp, with the whole softmax row in the tile (a tile of scores is `32 × seq`, never
-//!   `seq × seq`);
+//! - forward, tiles in parallel (a batch entry's tile of positions, all its heads): `S = c·Q_t
+//!   Kᵀ`, per row `m = max S`, `P = e^(S − m)` (0 under `M`), `ℓ = Σ P`; then `O_t = (P V) / ℓ`
+//!   and `L = m + ln ℓ`: FlashAttention-2's output and logsumexp, with the whole softmax row in
+//!   the tile (a tile of scores is `32 × seq`, never `seq × seq`), written positions first so
+//!   that merging the heads costs no copy;
 //! - backward, heads in parallel (a head's dK and dV gather over its tiles), from the saved
 //!   `L`: `P = e^(c·Q_t Kᵀ − L)` (0 under `M`), `dV += Pᵀ dO_t`, `dP = dO_t Vᵀ`,
 //!   `Δ = rowsum(P ∘ dP)` (= `dO·O`, from the tile rather than the output),
@@ -21,12 +23,17 @@
 //! **Bias + GELU**: `y = g(x + b)` and `dx = dy ∘ g'(x + b)` elementwise, rows in parallel, with
 //! [`super::bias_gelu`]'s `g` and `g'` (the clamped exponent included).
 //!
+//! **LayerNorm**: [`super::layer_norm`]'s forward and backward, one pass over each row (two for
+//! its statistics), rows in parallel.
+//!
 //! The exponentials (softmax and GELU) are [`exp`], arithmetic the compiler vectorises, in loops
 //! compiled for the CPU's widest SIMD (AVX-512 or AVX2, chosen at run time by [`vectorised`]).
 //!
 //! Inputs of another type (f16, bf16) run the reference.
 
 use burn::tensor::{DType, Shape, TensorData};
+use std::mem::MaybeUninit;
+
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
@@ -204,6 +211,29 @@ fn tensor_f32(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }
 
+/// `len` new f32 written in parallel by `fill(index, part)`, one call per part of `chunk`
+/// elements (the last may be shorter), and what each call returned, in order. The memory is
+/// not zeroed first: `vec![0.0; len]` would cost one more pass over it, on the calling thread.
+///
+/// # Safety
+/// `fill` must write every element of its part (`MaybeUninit::write`) before it returns.
+unsafe fn par_written<R: Send>(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) -> R + Sync,
+) -> (Vec<f32>, Vec<R>) {
+    let mut values = Vec::with_capacity(len);
+    let returned = values.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .map(|(index, part)| fill(index, part))
+        .collect();
+    // SAFETY: the capacity is `len`, and `fill` wrote every element below it (the caller's
+    // promise); a panic in `fill` leaves the length 0.
+    unsafe { values.set_len(len) };
+    (values, returned)
+}
+
 /// A tile of `rows` queries from `first` and the keys they see, `0..end`.
 #[derive(Clone, Copy)]
 struct Tile {
@@ -262,6 +292,11 @@ fn taken_attention_shape(inputs: &[FlexTensor]) -> Option<Shape> {
 /// The attention forward (see the module doc): the output `[batch, heads, seq, d]` and the
 /// logsumexp `[batch, heads, seq]`, or `None` for inputs it does not take (not all f32, not
 /// one non-empty `[batch, heads, seq, d]` shape).
+///
+/// Both are written positions first, `[batch, seq, heads, ·]`, and returned as views with the
+/// heads and positions swapped: the output is then already the `[batch, seq, heads·d]` a
+/// model merges its heads into, and that merge is a reshape, not a copy. Tasks are a batch
+/// entry's tile of positions, all heads.
 pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexTensor; 2]> {
     let shape = taken_attention_shape(&inputs)?;
     let [query, key, value] = inputs.map(readable_f32);
@@ -271,36 +306,44 @@ pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexT
     let scale = 1.0 / (d as f32).sqrt();
     let mut output = vec![0.0f32; shape.num_elements()];
     let mut logsumexp = vec![0.0f32; batch * heads * seq];
+    let row = heads * d;
     output
-        .par_chunks_mut(seq * d)
-        .zip(logsumexp.par_chunks_mut(seq))
+        .par_chunks_mut(seq * row)
+        .zip(logsumexp.par_chunks_mut(seq * heads))
         .enumerate()
-        .for_each(|(head, (head_output, head_lse))| {
-            head_output
-                .par_chunks_mut(QUERY_TILE * d)
-                .zip(head_lse.par_chunks_mut(QUERY_TILE))
+        .for_each(|(b, (batch_output, batch_lse))| {
+            batch_output
+                .par_chunks_mut(QUERY_TILE * row)
+                .zip(batch_lse.par_chunks_mut(QUERY_TILE * heads))
                 .enumerate()
                 .for_each(|(index, (out, lse))| {
                     let tile = Tile::new(index, seq, causal);
                     let mut probs = vec![0.0f32; tile.rows * tile.end];
-                    tile.scores(&q, &k, head, scale, &mut probs);
-                    let mut row_sums = [0.0f32; QUERY_TILE];
-                    tile.each_row(&mut probs, seq, causal, |r, seen| {
-                        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                        exp_shifted(seen, max);
-                        row_sums[r] = seen.iter().sum();
-                        lse[r] = max + row_sums[r].ln();
-                    });
-                    let probs = View::row_major(&probs, tile.rows, tile.end);
-                    gemm_into(out, d, probs, v.rows(head, 0, tile.end), 1.0, false);
-                    for (row, sum) in out.chunks_mut(d).zip(row_sums) {
-                        row.iter_mut().for_each(|o| *o /= sum);
+                    for h in 0..heads {
+                        let head = b * heads + h;
+                        tile.scores(&q, &k, head, scale, &mut probs);
+                        let mut row_sums = [0.0f32; QUERY_TILE];
+                        tile.each_row(&mut probs, seq, causal, |r, seen| {
+                            let max = seen.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                            exp_shifted(seen, max);
+                            row_sums[r] = seen.iter().sum();
+                            lse[r * heads + h] = max + row_sums[r].ln();
+                        });
+                        let p = View::row_major(&probs, tile.rows, tile.end);
+                        let values = v.rows(head, 0, tile.end);
+                        gemm_into(&mut out[h * d..], row, p, values, 1.0, false);
+                        for (r, sum) in row_sums.iter().take(tile.rows).enumerate() {
+                            let start = r * row + h * d;
+                            out[start..start + d].iter_mut().for_each(|o| *o /= sum);
+                        }
                     }
                 });
         });
+    let positions_first =
+        |values, dims: &[usize]| tensor_f32(values, Shape::from(dims.to_vec())).transpose(1, 2);
     Some([
-        tensor_f32(output, shape),
-        tensor_f32(logsumexp, Shape::new([batch, heads, seq])),
+        positions_first(output, &[batch, seq, heads, d]),
+        positions_first(logsumexp, &[batch, seq, heads]),
     ])
 }
 
@@ -365,20 +408,19 @@ pub fn pack_heads(sections: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
     let (q, k, v) = (q?, k?, v?);
     let sources = [Heads::of(&q), Heads::of(&k), Heads::of(&v)];
     let [batch, heads, seq, d] = shape.dims::<4>();
-    let mut packed = vec![0.0f32; 3 * shape.num_elements()];
-    packed
-        .par_chunks_mut(3 * heads * d)
-        .enumerate()
-        .for_each(|(position, rows)| {
+    // SAFETY: a part is one position's `3·heads` rows of `d`, each element written once.
+    let (packed, _) = unsafe {
+        par_written(3 * shape.num_elements(), 3 * heads * d, |position, rows| {
             let (b, t) = (position / seq, position % seq);
             for (row, packed_row) in rows.chunks_mut(d).enumerate() {
                 let (section, h) = (row / heads, row % heads);
                 let source = sources[section].rows(b * heads + h, t, 1);
                 for (c, value) in packed_row.iter_mut().enumerate() {
-                    *value = source.at(0, c);
+                    value.write(source.at(0, c));
                 }
             }
-        });
+        })
+    };
     Some([tensor_f32(packed, Shape::new([batch, seq, 3 * heads, d]))])
 }
 
@@ -497,28 +539,101 @@ fn biased_elementwise(
         Some(other) => other.as_slice::<f32>()?,
         None => xs,
     };
-    let mut out = vec![0.0f32; xs.len()];
     let chunk = rows_per_task(columns) * columns;
-    out.par_chunks_mut(chunk)
-        .zip(xs.par_chunks(chunk))
-        .zip(others.par_chunks(chunk))
-        .for_each(|((out, xs), others)| {
+    // SAFETY: a part is whole rows of `columns` (`chunk` is a multiple of it), and each row's
+    // elements are zipped with the same row of `x`, of `other` and with `b`, all `columns` long.
+    let (out, _) = unsafe {
+        par_written(xs.len(), chunk, |index, out| {
             let rows = out
                 .chunks_mut(columns)
-                .zip(xs.chunks(columns))
-                .zip(others.chunks(columns));
+                .zip(xs[index * chunk..].chunks(columns))
+                .zip(others[index * chunk..].chunks(columns));
             vectorised(
                 #[inline(always)]
                 || {
                     for ((out, xs), others) in rows {
                         for (((y, x), b), o) in out.iter_mut().zip(xs).zip(bs).zip(others) {
-                            *y = f(x + b, *o);
+                            y.write(f(x + b, *o));
                         }
                     }
                 },
             );
-        });
+        })
+    };
     Some(tensor_f32(out, shape))
+}
+
+/// Elements per task of [`add`], and the fewest it takes for tensors of one shape: below two
+/// tasks Flex's own add (in place when it can, on one thread) is as fast.
+const ADD_TASK: usize = 1 << 16;
+
+/// The shortest repeated operand [`add`] takes; Flex adds shorter ones (a scalar, a few
+/// columns) well enough.
+const MIN_PERIOD: usize = 64;
+
+/// Whether adding `small` to `big` (of one rank) repeats `small` whole: `small` is `big`'s
+/// shape with leading dims of 1 (none: the same shape).
+fn repeats_along_leading(small: &Shape, big: &Shape) -> bool {
+    let (small, big) = (small.as_slice(), big.as_slice());
+    let first = small.iter().position(|&d| d != 1).unwrap_or(small.len());
+    small.len() == big.len() && small[first..] == big[first..]
+}
+
+/// `lhs + rhs` for contiguous f32 tensors, on rayon's threads, where Flex's add is slow:
+/// - tensors of one shape with at least `2·ADD_TASK` elements, on more than one thread (Flex
+///   adds on one; on one thread its add, in place when it can, was as fast: tiny GPT 140
+///   against 144 ms a step);
+/// - one operand repeated along leading dims of 1 (a position embedding `[1, T, C]` on
+///   `[B, T, C]`, a bias `[1, n]` on `[rows, n]`) of at least `MIN_PERIOD` elements: Flex walks
+///   such a broadcast element by element.
+///
+/// `None` for other inputs. The sums are Flex's, bit for bit (one rounding each, and
+/// `a + b = b + a`).
+pub fn add([lhs, rhs]: [FlexTensor; 2]) -> Option<[FlexTensor; 1]> {
+    let (lhs_shape, rhs_shape) = (lhs.layout().shape(), rhs.layout().shape());
+    let (whole, repeated) = match repeats_along_leading(rhs_shape, lhs_shape) {
+        true => (&lhs, &rhs),
+        false => (&rhs, &lhs),
+    };
+    let (shape, period) = (
+        whole.layout().shape().clone(),
+        repeated.layout().num_elements(),
+    );
+    let taken = lhs.dtype() == DType::F32
+        && rhs.dtype() == DType::F32
+        && repeats_along_leading(repeated.layout().shape(), &shape)
+        && match period == shape.num_elements() {
+            true => period >= 2 * ADD_TASK && rayon::current_num_threads() > 1,
+            false => period >= MIN_PERIOD,
+        };
+    if !taken {
+        return None;
+    }
+    let (a, b) = (whole.as_slice::<f32>()?, repeated.as_slice::<f32>()?);
+    // SAFETY: a part's elements are written in runs, each zipped with the same range of `a`
+    // and a range of `b` of its length; the runs cover the part.
+    let (sum, _) = unsafe {
+        par_written(a.len(), ADD_TASK, |index, part| {
+            let start = index * ADD_TASK;
+            let mut done = 0;
+            while done < part.len() {
+                let offset = (start + done) % period;
+                let run = (period - offset).min(part.len() - done);
+                let a = &a[start + done..][..run];
+                let b = &b[offset..][..run];
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        for ((out, a), b) in part[done..done + run].iter_mut().zip(a).zip(b) {
+                            out.write(a + b);
+                        }
+                    },
+                );
+                done += run;
+            }
+        })
+    };
+    Some([tensor_f32(sum, shape)])
 }
 
 /// `g(x + b)` on `x: [.., n]` and `b: [n]`, both f32.
@@ -529,6 +644,169 @@ pub fn bias_gelu_forward([x, bias]: [FlexTensor; 2]) -> Option<[FlexTensor; 1]> 
 /// `dx = dy ∘ g'(x + b)` from `[x, b, dy]`, all f32.
 pub fn bias_gelu_backward([x, bias, output_grad]: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
     biased_elementwise(x, bias, Some(output_grad), |z, dy| dy * gelu_slope(z)).map(|dx| [dx])
+}
+
+/// `x: [.., n]` and the `[n]` parameters `params` as contiguous f32 tensors, and `n`; `None`
+/// unless all are f32, `n > 0`, every parameter is `[n]` and every `like_x` has `x`'s shape.
+fn rows_and_parameters<const P: usize, const L: usize>(
+    x: FlexTensor,
+    params: [FlexTensor; P],
+    like_x: [FlexTensor; L],
+) -> Option<(FlexTensor, [FlexTensor; P], [FlexTensor; L], usize)> {
+    let shape = x.layout().shape().clone();
+    let columns = shape[shape.num_dims() - 1];
+    let fits = columns > 0
+        && params
+            .iter()
+            .all(|p| *p.layout().shape() == Shape::new([columns]))
+        && like_x.iter().all(|t| *t.layout().shape() == shape);
+    if !fits {
+        return None;
+    }
+    let contiguous = |t: FlexTensor| readable_f32(t).map(|t| t.to_contiguous());
+    let x = contiguous(x)?;
+    let params = params.map(contiguous);
+    let like_x = like_x.map(contiguous);
+    if params.iter().chain(&like_x).any(Option::is_none) {
+        return None;
+    }
+    Some((
+        x,
+        params.map(Option::unwrap),
+        like_x.map(Option::unwrap),
+        columns,
+    ))
+}
+
+/// `Σ f(aᵢ, bᵢ)` over two slices of one length, accumulated in 16 lanes so that the loop
+/// vectorises (a single running sum would fix the order of the additions), then summed.
+#[inline(always)]
+fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    const LANES: usize = 16;
+    let mut lanes = [0.0f32; LANES];
+    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let rest: f32 = (a_chunks.remainder().iter().zip(b_chunks.remainder()))
+        .map(|(&a, &b)| f(a, b))
+        .sum();
+    for (a, b) in a_chunks.zip(b_chunks) {
+        for k in 0..LANES {
+            lanes[k] += f(a[k], b[k]);
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// A row's mean `μ` and `r = 1/√(σ² + ε)`, the variance around the mean (two passes).
+#[inline(always)]
+fn row_statistics(x: &[f32], epsilon: f32) -> (f32, f32) {
+    let n = x.len() as f32;
+    let mean = lane_sum(x, x, |v, _| v) / n;
+    let variance = lane_sum(x, x, |v, _| (v - mean) * (v - mean)) / n;
+    (mean, 1.0 / (variance + epsilon).sqrt())
+}
+
+/// LayerNorm's forward ([`super::layer_norm`]), `x̂ ∘ γ + β`, from `[x, γ, β]`, all f32, rows
+/// in parallel; `None` for inputs it does not take.
+pub fn layer_norm_forward(
+    [x, gamma, beta]: [FlexTensor; 3],
+    epsilon: f64,
+) -> Option<[FlexTensor; 1]> {
+    let (x, [gamma, beta], [], columns) = rows_and_parameters(x, [gamma, beta], [])?;
+    let (xs, gamma, beta) = (
+        x.as_slice::<f32>()?,
+        gamma.as_slice::<f32>()?,
+        beta.as_slice::<f32>()?,
+    );
+    let epsilon = epsilon as f32;
+    let chunk = rows_per_task(columns) * columns;
+    // SAFETY: a part is whole rows, each zipped with its row of `x` and with `γ` and `β`, all
+    // `columns` long.
+    let (out, _) = unsafe {
+        par_written(xs.len(), chunk, |index, out| {
+            let rows = out
+                .chunks_mut(columns)
+                .zip(xs[index * chunk..].chunks(columns));
+            vectorised(
+                #[inline(always)]
+                || {
+                    for (out, x) in rows {
+                        let (mean, r) = row_statistics(x, epsilon);
+                        for (((y, x), g), b) in out.iter_mut().zip(x).zip(gamma).zip(beta) {
+                            y.write((x - mean) * r * g + b);
+                        }
+                    }
+                },
+            )
+        })
+    };
+    Some([tensor_f32(out, x.layout().shape().clone())])
+}
+
+/// LayerNorm's backward ([`super::layer_norm`]) from `[x, γ, dy]`, all f32: `[dx, dγ, dβ]`.
+/// Rows in parallel, each task summing its rows' `dγ` and `dβ`; the tasks' sums are added in
+/// task order, so the result does not depend on the number of threads. `None` for inputs it
+/// does not take.
+pub fn layer_norm_backward(
+    [x, gamma, output_grad]: [FlexTensor; 3],
+    epsilon: f64,
+) -> Option<[FlexTensor; 3]> {
+    let (x, [gamma], [output_grad], columns) = rows_and_parameters(x, [gamma], [output_grad])?;
+    let (xs, gamma, dys) = (
+        x.as_slice::<f32>()?,
+        gamma.as_slice::<f32>()?,
+        output_grad.as_slice::<f32>()?,
+    );
+    let (epsilon, n) = (epsilon as f32, columns as f32);
+    let chunk = rows_per_task(columns) * columns;
+    // SAFETY: a part is whole rows, each zipped with its rows of `x` and `dy`, with `g` and
+    // `x̂` (all `columns` long).
+    let (dx, partial_sums) = unsafe {
+        par_written(xs.len(), chunk, |index, dx| {
+            let [mut gamma_grad, mut beta_grad, mut normalised, mut g] =
+                [(); 4].map(|_| vec![0.0f32; columns]);
+            let (xs, dys) = (&xs[index * chunk..], &dys[index * chunk..]);
+            vectorised(
+                #[inline(always)]
+                || {
+                    let rows = dx.chunks_mut(columns).zip(xs.chunks(columns));
+                    for ((dx, x), dy) in rows.zip(dys.chunks(columns)) {
+                        let (mean, r) = row_statistics(x, epsilon);
+                        for (((x̂, gi), x), (dy, gamma)) in normalised
+                            .iter_mut()
+                            .zip(&mut g)
+                            .zip(x)
+                            .zip(dy.iter().zip(gamma))
+                        {
+                            *x̂ = (x - mean) * r;
+                            *gi = dy * gamma;
+                        }
+                        let g_mean = lane_sum(&g, &g, |v, _| v) / n;
+                        let g_normalised_mean = lane_sum(&g, &normalised, |v, x̂| v * x̂) / n;
+                        for ((dx, gi), x̂) in dx.iter_mut().zip(&g).zip(&normalised) {
+                            dx.write(r * (gi - g_mean - x̂ * g_normalised_mean));
+                        }
+                        let sums = gamma_grad.iter_mut().zip(&mut beta_grad);
+                        for (((dg, db), dy), x̂) in sums.zip(dy).zip(&normalised) {
+                            *dg += dy * x̂;
+                            *db += dy;
+                        }
+                    }
+                },
+            );
+            [gamma_grad, beta_grad]
+        })
+    };
+    let [mut gamma_grad, mut beta_grad] = [(); 2].map(|_| vec![0.0f32; columns]);
+    for [dg, db] in partial_sums {
+        gamma_grad.iter_mut().zip(dg).for_each(|(sum, v)| *sum += v);
+        beta_grad.iter_mut().zip(db).for_each(|(sum, v)| *sum += v);
+    }
+    let parameter = |values| tensor_f32(values, Shape::new([columns]));
+    Some([
+        tensor_f32(dx, x.layout().shape().clone()),
+        parameter(gamma_grad),
+        parameter(beta_grad),
+    ])
 }
 
 #[cfg(test)]
@@ -590,5 +868,76 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `add` sums bit for bit like Flex's own add over a tensor of several tasks (the last one
+    /// short), on two threads, and with an operand repeated along a leading dim (either side,
+    /// runs crossing the tasks' bounds), on one; and declines what it does not take: small
+    /// tensors, short repeats, other shapes, strided views, same shapes on one thread.
+    #[test]
+    fn add_matches_flexs_add_and_declines_the_rest() {
+        use burn::backend::Flex;
+        use burn::tensor::{Distribution, Tensor};
+
+        let device = Default::default();
+        let len = 2 * ADD_TASK + 1000;
+        let draw = |len: usize| {
+            Tensor::<Flex, 1>::random([len], Distribution::Normal(0.0, 1.0), &device)
+                .into_primitive()
+                .tensor()
+        };
+        let (a, b) = (draw(len), draw(len));
+        let pool = |threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+        };
+        let inputs = || [a.clone(), b.clone()];
+        assert!(pool(1).install(|| add(inputs())).is_none(), "one thread");
+        let [sum] = pool(2).install(|| add(inputs())).expect("taken");
+        let flex_sum = Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(a))
+            + Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(b));
+        let bits = |t: FlexTensor| -> Vec<u32> {
+            t.into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(sum), bits(flex_sum.into_primitive().tensor()));
+
+        // A repeated operand, either side, on one thread too.
+        let period = [1, 128, 192];
+        let block = draw(128 * 192).reshape(Shape::new(period));
+        let batch = draw(5 * 128 * 192).reshape(Shape::new([5, 128, 192]));
+        let flex = |t: FlexTensor| {
+            Tensor::<Flex, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(t))
+        };
+        let expected = bits(
+            (flex(batch.clone()) + flex(block.clone()))
+                .into_primitive()
+                .tensor(),
+        );
+        for inputs in [[batch.clone(), block.clone()], [block, batch]] {
+            let [sum] = pool(1).install(|| add(inputs)).expect("repeated, taken");
+            assert_eq!(sum.layout().shape(), &Shape::new([5, 128, 192]));
+            assert_eq!(bits(sum), expected, "a repeated operand");
+        }
+
+        let declined = |inputs| pool(2).install(|| add(inputs)).is_none();
+        let scalar = || draw(1).reshape(Shape::new([1, 1]));
+        assert!(
+            declined([draw(len).reshape(Shape::new([len, 1])), scalar()]),
+            "a scalar"
+        );
+        assert!(declined([draw(1000), draw(1000)]), "a small tensor");
+        assert!(declined([draw(len), draw(len + 1)]), "shapes differ");
+        let square = || draw(4 * ADD_TASK).reshape(Shape::new([512, 512]));
+        assert!(
+            declined([square().transpose(0, 1), square()]),
+            "a transposed view"
+        );
     }
 }

@@ -4,8 +4,11 @@
 //!   and the autodiff op that runs them.
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (kernels and reference), and its
 //!   autodiff op.
+//! - [`layer_norm`]: LayerNorm as one op each way (Flex's loops and a reference), and its
+//!   autodiff op.
 //! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
-//! - [`flex`]: fused attention and bias + GELU as native loops on Flex (Burn's CPU backend).
+//! - [`flex`]: fused attention, bias + GELU and LayerNorm as native loops on Flex (Burn's CPU
+//!   backend), and its parallel add.
 //! - [`flex_matmul`]: Flex's f32 matmul with its output written once (Flex copies each one).
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
@@ -18,18 +21,37 @@ pub mod bias_gelu;
 pub mod flash;
 pub mod flex;
 pub mod flex_matmul;
+pub mod layer_norm;
 pub mod matmul;
 pub mod probe;
 pub mod route;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 /// A float primitive of backend `B` as a rank-`D` `Tensor` (what the ops here hand back after
 /// running on primitives).
 pub(crate) fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// `t: [.., n]` as the matrix of its rows, `[rows, n]` (what the row-wise fused ops' references
+/// compute on).
+pub(crate) fn as_rows<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+    let shape = t.shape();
+    let columns = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements().checked_div(columns).unwrap_or(0);
+    tensor(B::float_reshape(t, Shape::new([rows, columns])))
+}
+
+/// A primitive in `dtype`, as it is when it already is (the fused ops' gradients, computed in
+/// f32, in their inputs' types).
+pub(crate) fn cast_primitive<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    match t.dtype() == DType::from(dtype) {
+        true => t,
+        false => B::float_cast(t, dtype),
+    }
 }
 
 /// `tensor` in `dtype`; unchanged, without a graph node, when it already is. The kernels

@@ -23,6 +23,7 @@ use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
 use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
+use wildfire_backend::kernels::layer_norm::layer_norm as fused_layer_norm;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
@@ -270,6 +271,10 @@ pub struct Block<B: Backend> {
     pub attn: CausalSelfAttention<B>,
     pub ln_2: LayerNorm<B>,
     pub mlp: Mlp<B>,
+    /// Whether the LayerNorms run as one fused op with its fused backward
+    /// (`wildfire_backend::kernels::layer_norm`) rather than as Burn's decomposed ops.
+    #[module(skip)]
+    pub fused_norm: bool,
 }
 
 /// Final LayerNorm and, when embeddings are untied, the LM head `[d, V]`.
@@ -277,6 +282,9 @@ pub struct Block<B: Backend> {
 pub struct Head<B: Backend> {
     pub ln_f: LayerNorm<B>,
     pub lm_head: Option<GptLinear<B>>,
+    /// As [`Block::fused_norm`], for `ln_f`.
+    #[module(skip)]
+    pub fused_norm: bool,
     /// A tied head on another pipeline stage than the embedding: its own copy of `wte`
     /// (`[V, d]`, named [`TIED_COPY`]). Both copies start equal and receive the sum of their two
     /// gradients, so they stay equal; checkpoints store only `embeddings.wte.weight`.
@@ -372,6 +380,7 @@ impl<B: Backend> Block<B> {
                 dropout: dropout(config),
                 fused: true,
             },
+            fused_norm: true,
         }
     }
 }
@@ -379,8 +388,10 @@ impl<B: Backend> Block<B> {
 impl<B: DecoratedBackend> Block<B> {
     /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(layer_norm_fp32(&self.ln_1, x), tp);
-        x.clone() + self.mlp.forward(layer_norm_fp32(&self.ln_2, x), tp)
+        let ln_1 = layer_norm_fp32(&self.ln_1, x.clone(), self.fused_norm);
+        let x = x + self.attn.forward(ln_1, tp);
+        let ln_2 = layer_norm_fp32(&self.ln_2, x.clone(), self.fused_norm);
+        x + self.mlp.forward(ln_2, tp)
     }
 
     /// This block with the layers `plan` names split over `tp.group`; `index` is its global
@@ -503,9 +514,22 @@ impl<B: DecoratedBackend> Mlp<B> {
 }
 
 /// LayerNorm computed in fp32 (its fp32 parameters on the input cast up), returned in the
-/// input's type: its mean and variance lose too much in half precision.
-fn layer_norm_fp32<B: Backend>(norm: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    in_fp32(x, |x| norm.forward(x))
+/// input's type: its mean and variance lose too much in half precision. `fused`: as the fused
+/// op ([`fused_layer_norm`]), else as Burn's decomposed ops.
+fn layer_norm_fp32<B: DecoratedBackend>(
+    norm: &LayerNorm<B>,
+    x: Tensor<B, 3>,
+    fused: bool,
+) -> Tensor<B, 3> {
+    in_fp32(x, |x| match fused {
+        true => fused_layer_norm(
+            x,
+            norm.gamma.val(),
+            norm.beta.as_ref().map(Param::val),
+            LN_EPS,
+        ),
+        false => norm.forward(x),
+    })
 }
 
 /// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, in fp32 whatever `x`'s type
@@ -542,6 +566,7 @@ impl<B: Backend> Gpt<B> {
             lm_head: (!config.tie_embeddings)
                 .then(|| linear([config.d_model, config.vocab_size], false, INIT_STD, device)),
             wte: None,
+            fused_norm: true,
         });
         let model = Self {
             embeddings,
@@ -557,12 +582,16 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// The same model with its fused ops on or off: the attention core (see
-    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout) and
-    /// the MLP's bias + GELU (see `Mlp::fused`).
+    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout),
+    /// the MLP's bias + GELU (see `Mlp::fused`) and the LayerNorms (see `Block::fused_norm`).
     pub fn with_fused_ops(mut self, on: bool) -> Self {
         for block in &mut self.blocks {
             block.attn.fused = on;
             block.mlp.fused = on;
+            block.fused_norm = on;
+        }
+        if let Some(head) = &mut self.head {
+            head.fused_norm = on;
         }
         self
     }
@@ -724,7 +753,7 @@ impl<B: DecoratedBackend> Gpt<B> {
             .head
             .as_ref()
             .expect("logits() on a stage without the head");
-        let x = layer_norm_fp32(&head.ln_f, x);
+        let x = layer_norm_fp32(&head.ln_f, x, head.fused_norm);
         if let Some(lm_head) = &head.lm_head {
             return lm_head.forward(x);
         }
