@@ -47,17 +47,18 @@ fn checkpointing_and_the_fused_ops_lower_the_peak_heap_of_forward_and_backward()
 
 /// Measured on the tiny model (fused attention on the packed QKV projection, fused bias + GELU
 /// and fused LayerNorm, as native code on Flex): none ≈ 69.5 MiB, full ≈ 24.6 MiB (0.35×),
-/// selective ≈ 61.5 MiB (0.89×). Selective checkpointing recomputes Burn's memory-bound ops,
+/// selective ≈ 61.5 MiB (0.88×). Selective checkpointing recomputes Burn's memory-bound ops,
 /// and the fused ops leave few of them: before the MLP's bias + GELU was fused, none was
 /// ≈ 142 MiB (the decomposed graph kept five tensors of the hidden's size, most of what
 /// selective recomputed), and before LayerNorm was fused none was ≈ 85 MiB and selective
-/// 0.77× of it. The bounds leave room for allocator and thread-pool differences: full below
-/// 0.55× and selective below 0.95× of no checkpointing.
+/// 0.77× of it. The bounds leave room for allocator and thread-pool differences (the peaks
+/// repeat to within 0.1 MiB here): full below 0.55× and selective below 0.9× of no
+/// checkpointing.
 ///
 /// Returns none's peak and losses.
 fn checkpointing_lowers_the_peak() -> (f64, Vec<f64>) {
     let (none, losses) = activation_peak("none", true);
-    for (mode, bound) in [("full", 0.55), ("selective", 0.95)] {
+    for (mode, bound) in [("full", 0.55), ("selective", 0.9)] {
         let (peak, mode_losses) = activation_peak(mode, true);
         let ratio = peak / none;
         println!(
