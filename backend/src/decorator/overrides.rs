@@ -11,7 +11,7 @@ use burn::tensor::{DType, Shape, TensorMetadata};
 use super::Parallel;
 use crate::kernels::matmul::{matmul_precision, policy_matmul};
 use crate::kernels::route::on_flex;
-use crate::kernels::{flex, flex_matmul};
+use crate::kernels::{self, flex, flex_matmul};
 
 /// Float matmul under the process-wide [`MatmulPrecision`](crate::kernels::matmul::MatmulPrecision)
 /// policy: the inner backend's own when it is off (on Flex in f32, the same products without
@@ -105,13 +105,12 @@ pub(super) fn linear_bias_backward<B: Backend>(
     B::float_reshape(B::float_sum_dim(rows, 0), Shape::new([width]))
 }
 
-/// `tensor: [.., d]` as the matrix of its rows, `[n, d]` with `n` the product of the leading
-/// dimensions (1 for a vector), and its shape. A reshape: no copy when the rows lie contiguously.
+/// `tensor: [.., d]` as the matrix of its rows ([`kernels::as_rows`]), and its shape. A reshape:
+/// no copy when the rows lie contiguously.
 fn as_rows<B: Backend>(tensor: FloatTensor<Parallel<B>>) -> (FloatTensor<Parallel<B>>, Shape) {
     let shape = tensor.shape();
-    let width = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements().checked_div(width).unwrap_or(0);
-    (B::float_reshape(tensor, Shape::new([rows, width])), shape)
+    let rows = kernels::as_rows::<Parallel<B>>(tensor);
+    (rows.into_primitive().tensor(), shape)
 }
 
 /// The inverse of [`as_rows`] for a matrix of other rows: `rows: [n, w]` in the leading

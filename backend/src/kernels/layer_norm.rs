@@ -264,10 +264,7 @@ impl<B: Backend, C: CheckpointStrategy> FusedLayerNormBackend for Autodiff<Paral
             .retro_forward(retro)
             .parents(inputs)
             .stateful();
-        let y = forward_on::<Parallel<B>>(
-            [&x, &gamma, &beta].map(|input| input.primitive.clone()),
-            epsilon,
-        );
+        let y = forward_on::<Parallel<B>>(inputs.map(|input| input.primitive.clone()), epsilon);
         match prepared {
             OpsKind::Tracked(mut prep) => {
                 let state = [prep.checkpoint(&x), prep.checkpoint(&gamma)];
