@@ -15,6 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use common::{assert_close, threads, values};
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::kernels::adamw::FusedAdamW;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
 use wildfire_parallel::pp::PipelineChunk;
@@ -116,6 +117,7 @@ impl<B: Backend> PipelineChunk<B> for Unit<B> {
     }
 }
 
+/// Burn's AdamW for matrices (decay 0.1) and for vectors (none): the serial and DDP side.
 fn adamw() -> (AdamW, AdamW) {
     let config = AdamWConfig::new().with_beta_2(0.99);
     (
@@ -124,8 +126,15 @@ fn adamw() -> (AdamW, AdamW) {
     )
 }
 
-/// Burn's per-tensor AdamW with decay on matrices only (the recipe's DDP optimizer).
-/// Burn's AdamW for matrices and for vectors.
+/// The same settings as [`adamw`] in the fused step ZeRO runs, which must match Burn's bit for
+/// bit for the sharded runs to equal the serial one.
+fn fused_adamw() -> (FusedAdamW, FusedAdamW) {
+    let matrices = FusedAdamW::new(0.9, 0.99, 1e-5, 0.1);
+    let vectors = matrices.with_weight_decay(0.0);
+    (matrices, vectors)
+}
+
+/// Burn's per-tensor AdamW for matrices and for vectors (the serial and DDP side).
 type BurnAdamW = (
     OptimizerAdaptor<AdamW, Toy<A>, A>,
     OptimizerAdaptor<AdamW, Toy<A>, A>,
@@ -262,7 +271,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
         stage,
         group.clone(),
         layout,
-        adamw(),
+        fused_adamw(),
         offload,
         Default::default(),
     );

@@ -6,33 +6,34 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::lr_scheduler::LrScheduler;
-use burn::optim::{AdamW, AdamWConfig, AdamWState, GradientsParams, Optimizer, SimpleOptimizer};
+use burn::optim::{AdamWState, GradientsParams, Optimizer, SimpleOptimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
+use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::config::TrainSection;
 
 /// AdamW that decays only tensors of rank ≥ 2 (weight matrices and embeddings), never biases or
 /// LayerNorm gains, as GPT-2 reproductions do. Both halves share Burn's AdamW update
-/// `θ ← θ(1 − η·λ) − η·m̂/(√v̂ + ε)`; only λ differs.
+/// `θ ← θ(1 − η·λ) − η·m̂/(√v̂ + ε)`, run as one fused pass per parameter
+/// ([`FusedAdamW`], bit for bit Burn's); only λ differs.
 #[derive(Clone)]
 pub struct MatrixDecayAdamW {
-    matrices: AdamW,
-    vectors: AdamW,
+    matrices: FusedAdamW,
+    vectors: FusedAdamW,
 }
 
 impl MatrixDecayAdamW {
     pub fn new(train: &TrainSection) -> Self {
-        let config = AdamWConfig::new()
-            .with_beta_1(train.beta1 as f32)
-            .with_beta_2(train.beta2 as f32)
-            .with_epsilon(train.eps as f32);
+        let matrices = FusedAdamW::new(
+            train.beta1 as f32,
+            train.beta2 as f32,
+            train.eps as f32,
+            train.weight_decay as f32,
+        );
         Self {
-            matrices: config
-                .clone()
-                .with_weight_decay(train.weight_decay as f32)
-                .build(),
-            vectors: config.with_weight_decay(0.0).build(),
+            vectors: matrices.with_weight_decay(0.0),
+            matrices,
         }
     }
 }
@@ -40,7 +41,7 @@ impl MatrixDecayAdamW {
 impl MatrixDecayAdamW {
     /// The AdamW of matrices and that of vectors (for optimizers that group parameters by
     /// kind, as ZeRO's flat buckets do).
-    pub fn halves(&self) -> (AdamW, AdamW) {
+    pub fn halves(&self) -> (FusedAdamW, FusedAdamW) {
         (self.matrices.clone(), self.vectors.clone())
     }
 }
@@ -70,7 +71,7 @@ impl<B: Backend> SimpleOptimizer<B> for MatrixDecayAdamW {
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
-        <AdamW as SimpleOptimizer<B>>::to_device(state, device)
+        <FusedAdamW as SimpleOptimizer<B>>::to_device(state, device)
     }
 }
 

@@ -463,7 +463,7 @@ fn exp(x: f32) -> f32 {
 /// Runs `f` compiled for the widest SIMD the CPU has (AVX-512, else AVX2 with FMA, on x86-64;
 /// `pulp`'s run-time dispatch), so that loops inlined into it vectorise to that width.
 #[inline(always)]
-fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+pub(super) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
     pulp::Arch::new().dispatch(f)
 }
 

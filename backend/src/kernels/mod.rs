@@ -1,5 +1,6 @@
 //! Fused kernels and their reference implementations (see DESIGN.md: `backend/src/kernels/`).
 //!
+//! - [`adamw`]: AdamW's step as one pass, bit for bit Burn's (native on Flex).
 //! - [`attention`]: FlashAttention-2's forward and backward, as a reference in Burn tensor ops,
 //!   and the autodiff op that runs them.
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (kernels and reference), and its
@@ -16,6 +17,7 @@
 //!   out; the reference otherwise).
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 
+pub mod adamw;
 pub mod attention;
 pub mod bias_gelu;
 pub mod flash;

@@ -97,6 +97,16 @@ pub(crate) fn on_flex<P: 'static, const N: usize, const M: usize>(
     inputs: [P; N],
     launch: impl FnOnce([FlexTensor; N]) -> Option<[FlexTensor; M]>,
 ) -> Result<[P; M], [P; N]> {
+    on_flex_owned(inputs, handing_back(launch))
+}
+
+/// [`on_flex`] for a launch that owns its inputs: it hands them back itself when it declines
+/// them, so no other handle to their memory is kept while it runs, and a launch that takes
+/// them can write into that memory (Flex's copy-on-write then copies nothing).
+pub(crate) fn on_flex_owned<P: 'static, const N: usize, const M: usize>(
+    inputs: [P; N],
+    launch: impl FnOnce([FlexTensor; N]) -> Result<[FlexTensor; M], [FlexTensor; N]>,
+) -> Result<[P; M], [P; N]> {
     if !kernels_enabled() {
         return Err(inputs);
     }
@@ -108,23 +118,29 @@ fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
     kernel: &impl CubeKernel<N, M>,
     inputs: [P; N],
 ) -> Result<[P; M], [P; N]> {
-    on_primitive::<CubeTensor<R>, _, N, M>(inputs, |tensors| kernel.launch(tensors))
+    on_primitive::<CubeTensor<R>, _, N, M>(inputs, handing_back(|tensors| kernel.launch(tensors)))
 }
 
-/// `launch` on `inputs` when primitives of type `P` are of type `T` and it takes them;
-/// otherwise the inputs back.
-fn on_primitive<T: Clone + 'static, P: 'static, const N: usize, const M: usize>(
-    inputs: [P; N],
+/// A launch that may decline its inputs (`None`) as one that hands them back: it runs on
+/// handles to the same memory and keeps the inputs for that case.
+fn handing_back<T: Clone, const N: usize, const M: usize>(
     launch: impl FnOnce([T; N]) -> Option<[T; M]>,
+) -> impl FnOnce([T; N]) -> Result<[T; M], [T; N]> {
+    |tensors| launch(tensors.clone()).ok_or(tensors)
+}
+
+/// `launch` on `inputs` when primitives of type `P` are of type `T`; otherwise, or when the
+/// launch hands them back, the inputs back.
+fn on_primitive<T: 'static, P: 'static, const N: usize, const M: usize>(
+    inputs: [P; N],
+    launch: impl FnOnce([T; N]) -> Result<[T; M], [T; N]>,
 ) -> Result<[P; M], [P; N]> {
     if TypeId::of::<P>() != TypeId::of::<T>() {
         return Err(inputs);
     }
-    let tensors = inputs.map(same::<P, T>);
-    match launch(tensors.clone()) {
-        Some(outputs) => Ok(outputs.map(same)),
-        None => Err(tensors.map(same)),
-    }
+    launch(inputs.map(same::<P, T>))
+        .map(|outputs| outputs.map(same))
+        .map_err(|tensors| tensors.map(same))
 }
 
 /// Lavapipe (Mesa's CPU Vulkan driver, through wgpu) ends every loop of a shader invocation

@@ -19,9 +19,9 @@
 //! recomputes the unit's forward from its saved input) and reduce-scatters the unit's gradients
 //! right after.
 //!
-//! The update is Burn's AdamW applied to the flat owned part, so it is elementwise the same
-//! arithmetic as per-tensor AdamW: a sharded step equals a replicated one bitwise when the
-//! gradients are equal. A bucket holds matrices or vectors only, so one weight decay applies.
+//! The update is AdamW ([`FusedAdamW`], bit for bit Burn's) applied to the flat owned part, so
+//! it is elementwise the same arithmetic as per-tensor AdamW: a sharded step equals a replicated
+//! one bitwise when the gradients are equal. A bucket holds matrices or vectors only, so one weight decay applies.
 //!
 //! **Offload** keeps the owned master parameters and moments in host memory (Burn's `Flex`
 //! backend) and runs the update there, as DeepSpeed's ZeRO-Offload does: on a GPU this frees
@@ -35,10 +35,11 @@ use std::time::Instant;
 
 use burn::backend::Flex;
 use burn::module::{AutodiffModule, ParamId};
-use burn::optim::{AdamW, AdamWState, GradientsParams, SimpleOptimizer};
+use burn::optim::{AdamWState, GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::dp::{self, FlatLayout, FlatTensors, ReduceStats};
 
@@ -113,8 +114,8 @@ pub struct ZeroOptimizer<B: Backend> {
     stage: ZeroStage,
     group: ProcessGroup,
     layout: FlatLayout,
-    matrices: AdamW,
-    vectors: AdamW,
+    matrices: FusedAdamW,
+    vectors: FusedAdamW,
     offload: bool,
     shards: Vec<Shard<B>>,
     device: B::Device,
@@ -138,7 +139,7 @@ impl<B: Backend> ZeroOptimizer<B> {
         stage: ZeroStage,
         group: ProcessGroup,
         layout: FlatLayout,
-        (matrices, vectors): (AdamW, AdamW),
+        (matrices, vectors): (FusedAdamW, FusedAdamW),
         offload: bool,
         device: B::Device,
     ) -> Self {
@@ -401,7 +402,7 @@ fn place<B: Backend>(tensor: Tensor<B, 1>, host: bool) -> Flat<B> {
 /// One AdamW update of an owned part, where it lives: on the device, or in host memory (the
 /// gradient is copied there).
 fn update<B: Backend>(
-    adam: &AdamW,
+    adam: &FusedAdamW,
     lr: f64,
     current: Flat<B>,
     grad: Tensor<B, 1>,
@@ -432,7 +433,7 @@ fn update<B: Backend>(
 }
 
 fn adam_step<H: Backend>(
-    adam: &AdamW,
+    adam: &FusedAdamW,
     lr: f64,
     param: Tensor<H, 1>,
     grad: Tensor<H, 1>,
