@@ -48,6 +48,8 @@ pub struct FusedAdamW {
 }
 
 impl FusedAdamW {
+    /// AdamW with the moments' decay rates `β₁ = beta_1`, `β₂ = beta_2`, `ε = epsilon` added to
+    /// `√v̂`, and decoupled weight decay `λ = weight_decay` (as `AdamWConfig` names them).
     pub fn new(beta_1: f32, beta_2: f32, epsilon: f32, weight_decay: f32) -> Self {
         let reference = AdamWConfig::new()
             .with_beta_1(beta_1)
