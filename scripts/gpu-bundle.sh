@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 bundle=${1:-target/gpu-bundle}
 command -v jq >/dev/null || { echo "gpu-bundle: needs jq (apt-get install jq)" >&2; exit 1; }
 
-# The executables gpu-check.sh runs: the two binaries and five test targets.
-wanted="wildfire wildfire-benches gpu flash_attention mixed_matmul bias_gelu fused_ops"
+# The executables gpu-check.sh runs: the two binaries and three crates' test binaries.
+wanted="wildfire wildfire-benches backend recipes integration"
 messages=$(mktemp)
 cargo build --release --locked --features cuda \
     -p wildfire-backend -p wildfire-recipes -p wildfire-tests -p wildfire-benches \

@@ -24,7 +24,8 @@ summary=()
 failed=0
 note() { summary+=("$1"); }
 
-# A bundled test executable, or the same test target through cargo; libtest arguments follow.
+# A bundled test executable, or the same test target through cargo (each crate has one, its files
+# as modules: a filter `module::` picks one file's tests); libtest arguments follow.
 # Autotuning only chooses among correct kernels, so the tests keep it short.
 cargo_test() { # package, test target, libtest arguments...
     local package=$1 target=$2
@@ -106,15 +107,15 @@ run kernels-bench "CubeCL kernels on CUDA, bf16: agreement with Burn and through
 # attention's output and three gradients against decomposed attention at every tested shape,
 # the matmul against f64 and bitwise on small integers, the fused bias + GELU and its gradients
 # against f64.
-for target in flash_attention mixed_matmul bias_gelu; do
-    run "test-$target" "CubeCL kernel tests on CUDA: $target" \
-        cargo_test wildfire-backend "$target"
+for module in flash_attention mixed_matmul bias_gelu; do
+    run "test-$module" "CubeCL kernel tests on CUDA: $module" \
+        cargo_test wildfire-backend backend "$module::"
 done
 run test-fused-ops "a GPT training step on CUDA, fused ops against decomposed ones" \
-    cargo_test wildfire-recipes fused_ops on_cuda
+    cargo_test wildfire-recipes recipes fused_ops::on_cuda
 
 run test-gpu "decorator + collectives tests on CUDA tensors (ranks as threads, world 1 and 2)" \
-    cargo_test wildfire-tests gpu --nocapture --test-threads 1
+    cargo_test wildfire-tests integration gpu:: --nocapture --test-threads 1
 
 run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
 if [ "$gpus" -gt 1 ]; then

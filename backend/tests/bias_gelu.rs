@@ -25,8 +25,9 @@ use wildfire_backend::kernels::bias_gelu::{
 };
 use wildfire_backend::kernels::flex;
 
-mod common;
-use common::{GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
+use crate::common::{
+    GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff,
+};
 
 const SHAPE: [usize; 3] = [2, 19, 37];
 const ROWS: usize = SHAPE[0] * SHAPE[1];

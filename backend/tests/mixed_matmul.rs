@@ -25,8 +25,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::kernels::matmul::{self, MixedMatmul, mixed_matmul};
 
-mod common;
-use common::{KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
+use crate::common::{KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
 
 /// `[lhs batch, m, k] × [rhs batch, k, n]`; a batch of 1 broadcasts.
 #[derive(Clone, Copy, Debug)]

@@ -2,7 +2,7 @@
 //! CubeCL kernels opted in (`set_kernels_enabled`), and the matmul precision policy on
 //! `Parallel<Flex>` (the reference) and `Parallel<Wgpu>` (the kernel).
 //!
-//! Both are process-wide settings, so this binary has one test, which sets them in order.
+//! Both are process-wide settings, so one test sets them in order, in a process of its own.
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Flex, Wgpu};
@@ -15,8 +15,7 @@ use wildfire_backend::kernels::matmul::{
 };
 use wildfire_backend::kernels::route::set_kernels_enabled;
 
-mod common;
-use common::{KernelBackend, output_and_grads, relative_error};
+use crate::common::{KernelBackend, alone_in_a_process, output_and_grads, relative_error};
 
 /// A `[rows, columns]` tensor of uniform values in [−2, 2) drawn on Flex.
 fn uniform(shape: [usize; 2], seed: u64) -> TensorData {
@@ -31,6 +30,9 @@ fn values(data: TensorData) -> Vec<f32> {
 
 #[test]
 fn the_decorator_routes_attention_and_matmuls() {
+    if !alone_in_a_process("routing::the_decorator_routes_attention_and_matmuls") {
+        return;
+    }
     set_kernels_enabled(true);
     if let Some(device) = Wgpu::test_device() {
         routed_attention_matches_decomposed(&device);

@@ -3,17 +3,15 @@
 //! DDP, every rank's shard is the matching slice of the full parameter and gradient, and the
 //! sharded gradient norm is the full one. Each collective fails after 30 s instead of hanging.
 
-mod common;
-
 use std::collections::HashMap;
 
+use crate::common::{assert_close, threads, values};
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use common::{assert_close, threads, values};
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};

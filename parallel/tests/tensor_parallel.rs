@@ -9,14 +9,12 @@
 //! 1e-6 of the largest value on float data (the f32 rounding of a handful of terms). The
 //! vocabulary-parallel cross-entropy sums `exp` per rank, then over ranks: within 1e-6.
 
-mod common;
-
+use crate::common::{assert_close, threads, values};
 use burn::backend::{Autodiff, Flex};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::activation::gelu;
 use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{assert_close, threads, values};
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{OpKind, ProcessGroup, split_ranges};
 use wildfire_parallel::tp::{

@@ -3,9 +3,7 @@
 //! checkpointing, and full checkpointing refuses dropout. The peak memory is measured in
 //! `activation_memory.rs` (a process of its own, for its counting allocator).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 /// The flags for `mode` with a checkpoint after every step (all kept).
 fn mode_flags(mode: &str) -> [&str; 6] {

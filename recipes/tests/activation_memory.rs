@@ -1,25 +1,19 @@
 //! Activation checkpointing and the fused ops lower the peak memory of a step's forward and
-//! backward: the tiny model (context 128, 16 sequences per micro-batch) trains 2 steps in this
-//! process under each checkpointing mode, and without checkpointing on the decomposed ops, each
-//! run reporting the peak heap growth of its forwards and backwards (`activation_peak_mib`) from
-//! the counting allocator. One test in its own process, so no other test's allocations are
-//! counted.
+//! backward: the tiny model (context 128, 16 sequences per micro-batch) trains 2 steps under each
+//! checkpointing mode, and without checkpointing on the decomposed ops, each run reporting the
+//! peak heap growth of its forwards and backwards (`activation_peak_mib`) from the `wildfire`
+//! binary's counting allocator. Each run is a process of its own, so no other test's
+//! allocations are counted.
 
-mod common;
-
-use common::{CORPUS, run_dir, series};
-use wildfire_recipes::alloc::CountingAlloc;
-use wildfire_recipes::config::RunConfig;
-
-#[global_allocator]
-static HEAP: CountingAlloc = CountingAlloc::new();
+use crate::common::{CORPUS, LIMIT, finish, run_dir, series, spawn, text};
 
 /// The run's `activation_peak_mib` of its second step (the first also allocates AdamW's
 /// moments) under `mode` (a value of `train.activation_checkpointing`) with the fused ops on or
 /// off (`train.fused_ops`), and its losses.
 fn activation_peak(mode: &str, fused_ops: bool) -> (f64, Vec<f64>) {
     let dir = run_dir(&format!("activation-memory-{mode}-{fused_ops}"));
-    let overrides = [
+    let mut args = vec!["train".to_string()];
+    for setting in [
         format!("run.dir={:?}", dir.display().to_string()),
         format!("data.path={CORPUS:?}"),
         "train.max_steps=2".into(),
@@ -28,19 +22,21 @@ fn activation_peak(mode: &str, fused_ops: bool) -> (f64, Vec<f64>) {
         "run.threads=1".into(),
         format!("train.activation_checkpointing={mode:?}"),
         format!("train.fused_ops={fused_ops}"),
-    ];
-    let config = RunConfig::load(None, &overrides).expect("config");
-    let outcome = wildfire_recipes::train::run_on_cpu(config, false).expect("training");
+    ] {
+        args.extend(["--set".to_string(), setting]);
+    }
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{}", text(&out));
     (
         series(&dir, "train", "activation_peak_mib")[1],
-        outcome.losses,
+        series(&dir, "train", "loss"),
     )
 }
 
-/// The checkpointing modes, then the fused ops, in one test: the heap count is process-wide.
+/// The checkpointing modes, then the fused ops, in one test: both compare with the same run
+/// without checkpointing.
 #[test]
 fn checkpointing_and_the_fused_ops_lower_the_peak_heap_of_forward_and_backward() {
-    wildfire_recipes::alloc::register(&HEAP);
     let none = checkpointing_lowers_the_peak();
     the_fused_ops_keep_less_than_the_decomposed_ones(none);
 }

@@ -36,11 +36,9 @@
 //! in the parallel code show up far above these bounds, and the bitwise checks (DDP with one
 //! micro-batch per rank, ZeRO 2 and offload against ZeRO 1, resume) hold on every seed.
 
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use wildfire_recipes::checkpoint;
 
 /// The shared base arguments with `accumulation` micro-batches per rank per step, keeping
@@ -196,8 +194,14 @@ fn every_zero_stage_resumes_bitwise() {
 }
 
 /// A ZeRO 3 checkpoint (parameters and moments in flat pieces) resumes under ZeRO 1 (whole
-/// parameters, sharded moments) and continues bitwise like an uninterrupted ZeRO 1 run (untied
-/// embeddings, where the two stages train bitwise alike).
+/// parameters, sharded moments). The first step after the resume computes the loss of the
+/// loaded parameters, the same forward as ZeRO 3's on the same values: bitwise ZeRO 3's loss of
+/// that step. From there it trains like an uninterrupted ZeRO 1 run within the ZeRO 1 vs DDP
+/// bound of the module doc, not bitwise: ZeRO 3 cuts its buckets at unit (block) boundaries and
+/// ZeRO 1 does not, so the two sum the gradient norm's squares over other pieces, whose f32
+/// sums round differently (by how much depends on the SIMD width: measured bitwise alike on an
+/// AVX-512 machine, 1e-8 apart on AVX2); where that moves a clipped step's factor by an ulp,
+/// AdamW carries the difference on.
 #[test]
 fn a_zero3_checkpoint_resumes_under_zero1() {
     let untied = [
@@ -212,17 +216,25 @@ fn a_zero3_checkpoint_resumes_under_zero1() {
     let whole = dp_train("restage-whole", 2, &zero1);
     let zero3: Vec<&str> = untied.iter().copied().chain(["--zero", "3"]).collect();
     let dir = dp_train("restage", 2, &zero3);
+    let zero3_losses = series(&dir, "train", "loss");
     remove_checkpoints(&dir, 6..=10);
     let mut args = dp_args(&dir, 2);
     args.extend(["--resume", "--zero", "1"].map(String::from));
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("2 ranks, ZeRO-1"), "{}", text(&out));
+    let resumed_losses = series(&dir, "train", "loss");
     assert_eq!(
-        series(&dir, "train", "loss"),
-        series(&whole, "train", "loss")
+        resumed_losses[..6],
+        zero3_losses[..6],
+        "the loss of the loaded parameters (step 6) and those before it"
     );
-    assert_eq!(params_by_step(&dir), params_by_step(&whole));
+    assert_same_training(
+        &whole,
+        &dir,
+        "ZeRO 3 resumed as ZeRO 1 against ZeRO 1",
+        5e-5,
+    );
 }
 
 /// Bad data-parallel settings are refused before training, naming every number.

@@ -10,9 +10,7 @@
 //! Σ_mb h_mb`), a few ulps apart; AdamW then amplifies such differences where gradients are tiny.
 //! The tied test compares within stated tolerances instead.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 const UNTIED: [&str; 2] = ["--set", "model.tie_embeddings=false"];
 /// pp = 2 with 2 model chunks per rank.

@@ -2,14 +2,12 @@
 //! master weights, fp16's dynamic loss scaling on overflow (the step skipped on every rank with
 //! the parameters unchanged, the scale halved), and the scaler's state across a resume.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::common::*;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, TensorData};
-use common::*;
 use serde_json::Value;
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::checkpoint;

@@ -2,15 +2,13 @@
 //! corpus, checked through the run directory's files (metrics.jsonl, the event file,
 //! checkpoints). Each test uses its own run directory.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
+use crate::common::{CORPUS, run_dir};
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{CORPUS, run_dir};
 use serde_json::Value;
 use wildfire_recipes::CpuBackend;
 
@@ -184,7 +182,7 @@ fn resume_continues_bitwise() {
     train(&dir, &config, false);
     let uninterrupted = losses(&dir);
     assert_eq!(uninterrupted.len(), 6);
-    common::remove_checkpoints(&dir, 6..=6);
+    crate::common::remove_checkpoints(&dir, 6..=6);
     let out = train(&dir, &config, true);
     assert!(text(&out).contains("steps 3..6"), "{}", text(&out));
     let all = losses(&dir);

@@ -34,15 +34,13 @@
 //! path; on seed 1 its losses end 2.6e-5 apart with the fused ops (7.2e-6 decomposed, with 1610
 //! elements more than 1e-5 apart). The vocabulary is set to 77 tokens, so both tp = 2 and tp = 4 split it unevenly.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
+use crate::common::*;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use common::*;
 use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup};
 use wildfire_parallel::tp::TpPlan;
 use wildfire_recipes::CpuBackend;

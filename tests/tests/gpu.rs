@@ -2,7 +2,6 @@
 //! `scripts/gpu-check.sh`). Without a CUDA driver and device each test says it is skipped.
 //! At world size 1 collectives on CUDA tensors stay on the device without NCCL (the NCCL probe
 //! covers that case); at 2+ ranks, one GPU each, they run through NCCL on the device buffers.
-#![cfg(feature = "cuda")]
 
 use std::time::Duration;
 

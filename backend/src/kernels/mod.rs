@@ -16,6 +16,7 @@
 //! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
 //!   out; the reference otherwise).
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
+//! - [`simd`]: which SIMD (AVX-512 or AVX2) the CPU kernels take on this machine.
 
 pub mod adamw;
 pub mod attention;
@@ -27,6 +28,7 @@ pub mod layer_norm;
 pub mod matmul;
 pub mod probe;
 pub mod route;
+pub mod simd;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

@@ -1,8 +1,10 @@
-//! What the kernel test binaries share: the kernel backends (wgpu, and CUDA with `--features
-//! cuda`) and their devices (or a printed skip without one), the output and input gradients of
-//! an attention, the error measure, deterministic test data, rounding to a half type and GPT-2's
-//! GELU in f64. (Each test binary uses what it needs of it.)
+//! What the kernel tests share: the kernel backends (wgpu, and CUDA with `--features cuda`) and
+//! their devices (or a printed skip without one), the output and input gradients of an
+//! attention, the error measure, deterministic test data, rounding to a half type, GPT-2's GELU
+//! in f64, and a process of its own for a test that changes a process-wide setting.
 #![allow(dead_code)]
+
+use std::process::Command;
 
 use burn::backend::Wgpu;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -42,7 +44,6 @@ impl KernelBackend for burn::backend::Cuda {
 
 /// `$check::<B>($args…)` on every kernel backend this build has: `Wgpu`, and `Cuda` with
 /// `--features cuda`.
-#[macro_export]
 macro_rules! on_kernel_backends {
     ($check:ident($($arg:expr),* $(,)?)) => {{
         $check::<burn::backend::Wgpu>($($arg),*);
@@ -132,4 +133,36 @@ pub const GELU_A: f64 = 0.044715;
 /// GPT-2's GELU, `½z(1 + tanh(c(z + a·z³)))`, in f64.
 pub fn gelu(z: f64) -> f64 {
     0.5 * z * (1.0 + (GELU_C * (z + GELU_A * z * z * z)).tanh())
+}
+
+/// Runs the test named `name` (as the test harness names it, `module::function`) alone in a new
+/// process of this test binary, for a test that changes a process-wide setting the other tests
+/// of the binary would see. Returns `true` in that process, which then runs the test's body, and
+/// `false` in the calling one, once the new process has passed.
+pub fn alone_in_a_process(name: &str) -> bool {
+    const ALONE: &str = "WILDFIRE_TEST_ALONE";
+    if std::env::var(ALONE).as_deref() == Ok(name) {
+        return true;
+    }
+    let binary = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(binary)
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(ALONE, name)
+        .output()
+        .expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{text}");
+    assert!(
+        out.status.success(),
+        "{name}, in a process of its own, failed"
+    );
+    assert!(
+        text.contains("1 passed"),
+        "{name}: the test binary ran no test of that name"
+    );
+    false
 }

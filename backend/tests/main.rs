@@ -1,0 +1,13 @@
+//! The backend's integration tests: the fused kernels against their references on Flex and Wgpu,
+//! and the decorator's routing.
+//!
+//! One test binary for the crate, its files as modules: every integration-test binary links Burn,
+//! wgpu and CubeCL again.
+
+#[macro_use]
+mod common;
+
+mod bias_gelu;
+mod flash_attention;
+mod mixed_matmul;
+mod routing;
