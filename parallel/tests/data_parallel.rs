@@ -2,6 +2,8 @@
 //! as threads: DDP equals serial training on the concatenated batch, every ZeRO stage equals
 //! DDP, every rank's shard is the matching slice of the full parameter and gradient, and the
 //! sharded gradient norm is the full one. Each collective fails after 30 s instead of hanging.
+//! The bitwise comparisons run the same products of the same shapes on both sides and sum each
+//! gradient element over ranks in rank order, so they hold on every SIMD width.
 
 use std::collections::HashMap;
 

@@ -8,6 +8,12 @@
 //! different summation order: bitwise on integer-valued data (every partial sum exact), within
 //! 1e-6 of the largest value on float data (the f32 rounding of a handful of terms). The
 //! vocabulary-parallel cross-entropy sums `exp` per rank, then over ranks: within 1e-6.
+//!
+//! The bitwise claims hold on every SIMD width (AVX2 or AVX-512): a compared element is the same
+//! `k` products on both sides, and gemm adds them in order in one fused multiply-add chain on
+//! every path these shapes take (`k ≤ 512`, one block of `k`), whatever its vector width; where
+//! the serial product and a shard's both take gemm's small-matrix path, which sums lanes, they
+//! take it with the same `k` and the same lanes.
 
 use crate::common::{assert_close, threads, values};
 use burn::backend::{Autodiff, Flex};

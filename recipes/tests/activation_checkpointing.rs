@@ -1,7 +1,9 @@
 //! Activation checkpointing (`--activation-checkpointing {none,full,selective}`): every mode
 //! trains bitwise alike, serially and through a two-stage pipeline, with dropout under selective
-//! checkpointing, and full checkpointing refuses dropout. The peak memory is measured in
-//! `activation_memory.rs` (a process of its own, for its counting allocator).
+//! checkpointing, and full checkpointing refuses dropout. Recomputation repeats the forward's
+//! operations on tensors of the same shapes, so the equality holds on every SIMD width. The peak
+//! memory is measured in `activation_memory.rs` (each run a process of its own, for its counting
+//! allocator).
 
 use crate::common::*;
 

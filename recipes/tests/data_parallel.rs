@@ -10,7 +10,9 @@
 //! norm sums its squares per shard where DDP sums them per tensor: the norms differ by about
 //! 1e-8 relative, and where that crosses an f32 rounding of a clipped step's factor the update
 //! differs by an ulp, which AdamW carries on. ZeRO 2 and offloading equal ZeRO 1 bitwise (the
-//! same norm). ZeRO 3 also sums its tied embedding's two copies (the head's lives in another
+//! same shards, so the same norm on every SIMD width). ZeRO 3 cuts its buckets at unit (block)
+//! boundaries, so its shards, and the pieces its norm sums, are not ZeRO 1's either: how those
+//! f32 sums round depends on the SIMD width (Flex's sum adds 8 or 16 lanes). ZeRO 3 also sums its tied embedding's two copies (the head's lives in another
 //! unit) per step, `Σe + Σh`, where DDP's autodiff sums per micro-batch. Parameter differences
 //! are relative to the tensor's largest value, key biases aside (see `common::is_key_bias`).
 //!
@@ -199,9 +201,11 @@ fn every_zero_stage_resumes_bitwise() {
 /// that step. From there it trains like an uninterrupted ZeRO 1 run within the ZeRO 1 vs DDP
 /// bound of the module doc, not bitwise: ZeRO 3 cuts its buckets at unit (block) boundaries and
 /// ZeRO 1 does not, so the two sum the gradient norm's squares over other pieces, whose f32
-/// sums round differently (by how much depends on the SIMD width: measured bitwise alike on an
-/// AVX-512 machine, 1e-8 apart on AVX2); where that moves a clipped step's factor by an ulp,
-/// AdamW carries the difference on.
+/// sums round differently with Flex's 16 lanes (AVX-512) than with 8 (AVX2). Measured on
+/// 2026-12-02 (seed 1337): the first step's norms are 2e-13 apart (relative) on the AVX-512 path
+/// and 8e-10 on the AVX2 one (`scripts/avx2-only.sh`), where the clipped step's f32 factor moves
+/// by an ulp, AdamW carries it on and the parameters end 5.6e-6 apart; on AVX-512 they stay
+/// bitwise alike, by luck of the rounding.
 #[test]
 fn a_zero3_checkpoint_resumes_under_zero1() {
     let untied = [

@@ -9,6 +9,13 @@
 //! adds per micro-batch (`Σ_mb (e_mb + h_mb)`) and a pipeline adds per stage (`Σ_mb e_mb +
 //! Σ_mb h_mb`), a few ulps apart; AdamW then amplifies such differences where gradients are tiny.
 //! The tied test compares within stated tolerances instead.
+//!
+//! The equality does not depend on the SIMD width: both sides run the same products and sums on
+//! tensors of the same shapes. One f64 sum is grouped differently: the gradient norm's squares,
+//! the same f32 value per tensor on both sides, are added per stage and then over stages instead
+//! of in one sequence, which can move the norm by an ulp of f64 (2⁻⁵³ relative); that changes a
+//! clipped step's f32 factor only where it lies that close to an f32 rounding boundary, about
+//! one step in 10⁹.
 
 use crate::common::*;
 

@@ -1,6 +1,10 @@
-//! `Parallel<B>` changes nothing by itself: training on `Autodiff<Parallel<B>>` ends with
-//! bitwise the same parameters as on `Autodiff<B>`, for the CPU backend and for Wgpu (on Vulkan;
-//! CI installs Mesa's lavapipe driver, elsewhere the Wgpu test says it is skipped and why).
+//! `Parallel<B>` changes nothing by itself: training an MLP on 2-D inputs on
+//! `Autodiff<Parallel<B>>` ends with bitwise the same parameters as on `Autodiff<B>`, for the CPU
+//! backend and for Wgpu (on Vulkan; CI installs Mesa's lavapipe driver, elsewhere the Wgpu test
+//! says it is skipped and why). Every op but the linear layer's forwards to `B`, and for 2-D
+//! inputs the linear layer's override is the one product Burn computes, so the two run the same
+//! arithmetic on any SIMD width. (On 3-D and larger inputs the override takes the weight
+//! gradient as one product over all rows where Burn sums one per batch entry: other roundings.)
 
 use burn::backend::{Autodiff, Flex, Wgpu};
 use wildfire_backend::Parallel;
