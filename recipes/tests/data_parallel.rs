@@ -12,9 +12,10 @@
 //! differs by an ulp, which AdamW carries on. ZeRO 2 and offloading equal ZeRO 1 bitwise (the
 //! same shards, so the same norm on every SIMD width). ZeRO 3 cuts its buckets at unit (block)
 //! boundaries, so its shards, and the pieces its norm sums, are not ZeRO 1's either: how those
-//! f32 sums round depends on the SIMD width (Flex's sum adds 8 or 16 lanes). ZeRO 3 also sums its tied embedding's two copies (the head's lives in another
-//! unit) per step, `Σe + Σh`, where DDP's autodiff sums per micro-batch. Parameter differences
-//! are relative to the tensor's largest value, key biases aside (see `common::is_key_bias`).
+//! f32 sums round depends on the SIMD width (Flex's sum adds 8 or 16 lanes). ZeRO 3 also sums
+//! its tied embedding's two copies (the head's lives in another unit) per step, `Σe + Σh`,
+//! where DDP's autodiff sums per micro-batch. Parameter differences are relative to the
+//! tensor's largest value, key biases aside (see `common::is_key_bias`).
 //!
 //! How far these ulps grow depends on the training trajectory, not on the parallel code, so the
 //! bounds come from several seeds, with the fused ops (the default) and with the decomposed ops

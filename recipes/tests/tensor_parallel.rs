@@ -200,9 +200,10 @@ fn tensor_parallel_composes_with_pipeline_and_data_parallelism() {
 }
 
 /// ZeRO 1 and 2 over the data-parallel ranks of a tp 2 × dp 2 run: they train bitwise alike
-/// (the same shards, so the same sums on every SIMD width), and like DDP (ZeRO 0) on the same layout within the bounds of [`assert_trains_like`] (the
-/// gradient norm sums its squares in another order, owned parts first, and every step here is
-/// clipped, so the clipping factor differs in its last bits). A ZeRO 2 run stopped after its
+/// (the same shards, so the same sums on every SIMD width), and like DDP (ZeRO 0) on the same
+/// layout within the bounds of [`assert_trains_like`] (the gradient norm sums its squares in
+/// another order, owned parts first, and every step here is clipped, so the clipping factor
+/// differs in its last bits). A ZeRO 2 run stopped after its
 /// step-5 checkpoint (each rank's flattened pieces of its part of every moment) resumes under
 /// ZeRO 1 and continues bitwise like the ZeRO 1 run.
 #[test]
