@@ -21,10 +21,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use wildfire_parallel::clip::clip_global_norm;
 use wildfire_recipes::config::TrainSection;
 use wildfire_recipes::data::SplitMix64;
 use wildfire_recipes::model::{Gpt, Preset, StageSpec, cross_entropy_sum};
-use wildfire_recipes::optim::{MatrixDecayAdamW, clip_global_norm};
+use wildfire_recipes::optim::MatrixDecayAdamW;
 
 type B = Autodiff<CpuBackend>;
 

@@ -17,9 +17,12 @@
 //! **No-sync micro-steps.** Gradients of the micro-batches of one step are accumulated locally
 //! and reduced once, after the last micro-batch: nothing is communicated on the others.
 //!
-//! **Overlap.** Burn 0.21's `backward()` returns every gradient at once, with no per-parameter
-//! hook, so communication cannot start while backpropagation runs: the reduction follows the
-//! backward pass. [`ReduceStats`] measures the time it takes so the share is reported.
+//! **Overlap.** The reduction follows the backward pass: nothing overlaps yet. Burn 0.21 has a
+//! per-parameter hook (burn-autodiff's `distributed` feature calls
+//! `DistributedBackend::submit_gradient_sync` as each gradient completes), but turning it on
+//! requires every autodiff backend of the build to implement `DistributedBackend`, which
+//! burn-flex does not (docs/architecture.md). [`ReduceStats`] measures the time the reduction
+//! takes so its share is reported.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -125,6 +128,46 @@ impl FlatLayout {
 
     pub fn numel(&self) -> usize {
         self.buckets.iter().map(|b| b.numel).sum()
+    }
+
+    /// The ids of the layout's parameters in registration order.
+    fn ids_in_order(&self) -> Vec<ParamId> {
+        let mut slots: Vec<&Slot> = self.buckets.iter().flat_map(|b| &b.slots).collect();
+        // Buckets fill in reverse registration order, and so do the slots within a bucket.
+        slots.reverse();
+        slots.iter().map(|s| s.param.id).collect()
+    }
+
+    /// Whether `params` (registration order) are this layout's parameters, by id.
+    pub fn matches(&self, params: &[ParamSpec]) -> bool {
+        self.ids_in_order().iter().eq(params.iter().map(|p| &p.id))
+    }
+
+    /// Gives the layout's parameters the ids of `params`, the same parameters in registration
+    /// order under new ids (a Burn module takes the ids of a record it loads). Errors when the
+    /// count or a shape differs.
+    pub fn rebind(&mut self, params: &[ParamSpec]) -> Result<(), String> {
+        let old = self.ids_in_order();
+        if old.len() != params.len() {
+            return Err(format!(
+                "the module has {} parameters, but its data-parallel layout was built for {}",
+                params.len(),
+                old.len()
+            ));
+        }
+        let new: HashMap<ParamId, &ParamSpec> = old.into_iter().zip(params).collect();
+        for slot in self.buckets.iter_mut().flat_map(|b| &mut b.slots) {
+            let param = new[&slot.param.id];
+            if param.shape != slot.param.shape {
+                return Err(format!(
+                    "parameter {} has shape {:?}, but its data-parallel layout was built for \
+                     {:?}",
+                    param.id, param.shape, slot.param.shape
+                ));
+            }
+            slot.param.id = param.id;
+        }
+        Ok(())
     }
 
     /// Where each parameter sits: `(bucket index, slot index)`.

@@ -1,15 +1,24 @@
-//! wildfire's parallel strategies, built on [`wildfire_backend::comm`]: the layout of a job and
-//! its validation ([`mesh`]), data parallelism ([`dp`]: DDP's bucketed gradient reduction),
-//! ZeRO stages 1–3 and offload ([`fsdp`]), pipeline parallelism ([`pp`]: partition,
-//! schedules as checked data, executor), tensor and sequence parallelism ([`tp`]: the layers
-//! and the plan that applies them to a model), and mixed precision ([`precision`]: fp16 loss
-//! scaling; the recipe does not use it yet).
+//! wildfire's parallel strategies for any Burn module, built on [`wildfire_backend::comm`]: the
+//! layout of a job, its validation and its process groups ([`mesh`]), identical replicas at
+//! start ([`replicas`]), data parallelism ([`dp`]: DDP's bucketed gradient reduction), ZeRO
+//! stages 1–3 and offload ([`fsdp`]), global-norm clipping ([`clip`]), the optimizer step under
+//! every stage ([`update`]), burn-train learning strategies built on them ([`strategy`]),
+//! pipeline parallelism ([`pp`]: partition, schedules as checked data, executor), tensor and
+//! sequence parallelism ([`tp`]: the layers and the plan that applies them to a model), and
+//! mixed precision ([`precision`]: fp16 loss scaling).
 
+pub mod clip;
 pub mod dp;
 pub mod fsdp;
 pub mod mesh;
 pub mod pp;
 pub mod precision;
+pub mod replicas;
+pub mod strategy;
 pub mod tp;
+pub mod update;
+
+pub use mesh::{Mesh, ParallelDims};
+pub use strategy::DataParallel;
 
 pub use wildfire_backend::comm::ProcessGroup;

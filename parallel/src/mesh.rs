@@ -1,23 +1,42 @@
 //! The parallel layout of a job, and the one place that checks it: `world = dp × tp × pp`, the
-//! pipeline's stages against the model's layers, and the schedule (built and statically checked
-//! before any training).
+//! ZeRO stage and sequence parallelism against the other degrees, the pipeline's stages against
+//! the model's layers, and the schedule (built and statically checked before any training).
+//! [`Mesh`] is a checked layout with every process group of a rank, created once.
 //!
 //! Rank grid: row-major over (dp, pp, tp) with tp fastest, so tensor-parallel peers are
 //! neighbours (as GPUs of one node are).
 
 use std::ops::Range;
 
+use wildfire_backend::comm::{CommError, CommOptions, LaunchEnv, LaunchFlags, ProcessGroup};
+
 use crate::fsdp::ZeroStage;
 use crate::pp::{
     CheckError, PartitionError, Schedule, ScheduleError, ScheduleKind, check, partition,
 };
 
-/// Degrees of parallelism.
+/// Degrees of parallelism, and what the data-parallel ranks shard (the ZeRO stage) and whether
+/// tensor-parallel ranks also split the sequence between their layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParallelDims {
     pub dp: usize,
     pub tp: usize,
     pub pp: usize,
+    pub zero: ZeroStage,
+    pub sequence_parallel: bool,
+}
+
+impl Default for ParallelDims {
+    /// One rank: no parallelism.
+    fn default() -> Self {
+        Self {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            zero: ZeroStage::Zero0,
+            sequence_parallel: false,
+        }
+    }
 }
 
 /// Why a layout cannot run, with every number involved.
@@ -74,6 +93,8 @@ pub enum MeshError {
     )]
     SequenceWithoutTensor,
     #[error("{0}")]
+    Comm(#[from] CommError),
+    #[error("{0}")]
     Partition(#[from] PartitionError),
     #[error("{0}")]
     Schedule(#[from] ScheduleError),
@@ -99,7 +120,17 @@ pub struct PipelinePlan {
 }
 
 impl ParallelDims {
-    /// Checks the degrees against a world of `world` ranks.
+    /// Data parallelism alone: `dp` replicas (or shards, by `zero`) of the whole model.
+    pub fn data(dp: usize, zero: ZeroStage) -> Self {
+        Self {
+            dp,
+            zero,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the layout against a world of `world` ranks: the degrees' product, the ZeRO stage
+    /// against tensor and pipeline parallelism, and sequence parallelism against tp.
     pub fn validate(&self, world: usize) -> Result<(), MeshError> {
         let product = self.dp * self.tp * self.pp;
         if product != world || product == 0 {
@@ -111,26 +142,24 @@ impl ParallelDims {
                 product,
             });
         }
-        Ok(())
+        if self.sequence_parallel && self.tp == 1 {
+            return Err(MeshError::SequenceWithoutTensor);
+        }
+        self.check_zero(self.zero)
     }
 
     /// Checks tensor parallelism against the model: the heads (and, under sequence
     /// parallelism, the sequence length) must divide by `tp`. The vocabulary need not: the
     /// vocabulary-parallel layers split it unevenly (`split_ranges`), without padding.
-    pub fn check_tensor_parallel(
-        &self,
-        heads: usize,
-        seq: usize,
-        sequence_parallel: bool,
-    ) -> Result<(), MeshError> {
+    pub fn check_tensor_parallel(&self, heads: usize, seq: usize) -> Result<(), MeshError> {
         let tp = self.tp;
-        if sequence_parallel && tp == 1 {
+        if self.sequence_parallel && tp == 1 {
             return Err(MeshError::SequenceWithoutTensor);
         }
         if !heads.is_multiple_of(tp) {
             return Err(MeshError::Heads { heads, tp });
         }
-        if sequence_parallel && !seq.is_multiple_of(tp) {
+        if self.sequence_parallel && !seq.is_multiple_of(tp) {
             return Err(MeshError::Sequence { seq, tp });
         }
         Ok(())
@@ -233,6 +262,97 @@ impl ParallelDims {
     }
 }
 
+/// A checked layout and this rank's process groups, each created once, in the same order on
+/// every rank (so their rendezvous keys match).
+#[derive(Debug, Clone)]
+pub struct Mesh {
+    dims: ParallelDims,
+    world: ProcessGroup,
+    pipeline: ProcessGroup,
+    data: ProcessGroup,
+    tensor: ProcessGroup,
+    replica: ProcessGroup,
+}
+
+impl Mesh {
+    /// Validates `dims` against `world` and creates this rank's groups.
+    pub fn new(world: ProcessGroup, dims: ParallelDims) -> Result<Self, MeshError> {
+        dims.validate(world.size())?;
+        let rank = world.rank();
+        let pipeline = world.subgroup(&dims.pipeline_ranks(rank))?;
+        let data = world.subgroup(&dims.data_ranks(rank))?;
+        let tensor = world.subgroup(&dims.tensor_ranks(rank))?;
+        let replica = world.subgroup(&dims.model_ranks(rank))?;
+        Ok(Self {
+            dims,
+            world,
+            pipeline,
+            data,
+            tensor,
+            replica,
+        })
+    }
+
+    /// The mesh of a launched job (`wildfire launch`, torchrun or Slurm variables; one rank
+    /// when there are none), with the communication options of the environment.
+    pub fn from_env(dims: ParallelDims) -> Result<Self, MeshError> {
+        let env = LaunchEnv::detect(&LaunchFlags::default())?;
+        let world = ProcessGroup::init(&env, CommOptions::from_env()?)?;
+        Self::new(world, dims)
+    }
+
+    /// One mesh per thread rank of this process (`dp · tp · pp` of them), in rank order.
+    pub fn local(dims: ParallelDims, options: CommOptions) -> Result<Vec<Self>, MeshError> {
+        let ranks = dims.dp * dims.tp * dims.pp;
+        ProcessGroup::local_world(ranks.max(1), options)?
+            .into_iter()
+            .map(|world| Self::new(world, dims))
+            .collect()
+    }
+
+    pub fn dims(&self) -> &ParallelDims {
+        &self.dims
+    }
+
+    /// Every rank of the job.
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    /// This rank's pipeline (same dp and tp coordinates), in stage order.
+    pub fn pipeline(&self) -> &ProcessGroup {
+        &self.pipeline
+    }
+
+    /// This rank's data-parallel group (same pp and tp coordinates).
+    pub fn data(&self) -> &ProcessGroup {
+        &self.data
+    }
+
+    /// This rank's tensor-parallel group (same dp and pp coordinates).
+    pub fn tensor(&self) -> &ProcessGroup {
+        &self.tensor
+    }
+
+    /// The ranks that hold one model replica between them (pipeline stages × tensor-parallel
+    /// parts).
+    pub fn replica(&self) -> &ProcessGroup {
+        &self.replica
+    }
+
+    /// The first and last stages of this rank's pipeline, which both hold a parameter the
+    /// model ties between its ends (an input embedding reused as the output head), when the
+    /// pipeline has more than one stage and this rank is one of the two; `None` otherwise.
+    pub fn tie_group(&self) -> Result<Option<ProcessGroup>, MeshError> {
+        let last = self.dims.pp - 1;
+        let stage = self.pipeline.rank();
+        if self.dims.pp == 1 || (stage != 0 && stage != last) {
+            return Ok(None);
+        }
+        Ok(Some(self.pipeline.subgroup(&[0, last])?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +363,7 @@ mod tests {
             dp: 1,
             tp: 1,
             pp: 4,
+            ..ParallelDims::default()
         };
         assert!(dims.validate(4).is_ok());
         assert_eq!(
@@ -260,28 +381,45 @@ mod tests {
             dp: 1,
             tp: 4,
             pp: 1,
+            ..ParallelDims::default()
         };
-        assert!(dims.check_tensor_parallel(12, 128, true).is_ok());
+        let sequence = ParallelDims {
+            sequence_parallel: true,
+            ..dims
+        };
+        assert!(sequence.check_tensor_parallel(12, 128).is_ok());
         assert_eq!(
-            dims.check_tensor_parallel(6, 128, false)
-                .unwrap_err()
-                .to_string(),
+            dims.check_tensor_parallel(6, 128).unwrap_err().to_string(),
             "tensor parallelism splits attention by heads, but 6 heads do not divide by tp 4: \
              choose a tp that divides 6"
         );
-        assert!(dims.check_tensor_parallel(12, 130, false).is_ok());
+        assert!(dims.check_tensor_parallel(12, 130).is_ok());
         assert_eq!(
-            dims.check_tensor_parallel(12, 130, true)
+            sequence
+                .check_tensor_parallel(12, 130)
                 .unwrap_err()
                 .to_string(),
             "sequence parallelism splits the sequence, but length 130 does not divide by tp 4: \
              choose a context that is a multiple of 4"
         );
-        let serial = ParallelDims { tp: 1, ..dims };
+        let serial = ParallelDims { tp: 1, ..sequence };
         assert!(matches!(
-            serial.check_tensor_parallel(12, 128, true),
+            serial.check_tensor_parallel(12, 128),
             Err(MeshError::SequenceWithoutTensor)
         ));
+        assert!(matches!(
+            serial.validate(4),
+            Err(MeshError::SequenceWithoutTensor)
+        ));
+        let zero3 = ParallelDims {
+            zero: ZeroStage::Three,
+            ..dims
+        };
+        assert_eq!(
+            zero3.validate(4).unwrap_err().to_string(),
+            "ZeRO stage 3 with tensor parallelism (tp 4) is not supported yet: its units gather \
+             whole parameters; use ZeRO stage 1 or 2 with tp > 1"
+        );
         assert!(dims.check_zero(ZeroStage::Two).is_ok());
         assert_eq!(
             dims.check_zero(ZeroStage::Three).unwrap_err().to_string(),
@@ -296,6 +434,7 @@ mod tests {
             dp: 2,
             tp: 1,
             pp: 3,
+            ..ParallelDims::default()
         };
         assert_eq!(dims.pipeline_ranks(4), [3, 4, 5]);
         assert_eq!(dims.data_ranks(4), [1, 4]);
@@ -314,6 +453,7 @@ mod tests {
             dp: 4,
             tp: 1,
             pp: 1,
+            ..ParallelDims::default()
         };
         assert_eq!(dims.global_batch(None, 8, 2).unwrap(), 64);
         assert_eq!(dims.global_batch(Some(64), 8, 2).unwrap(), 64);
@@ -340,6 +480,7 @@ mod tests {
             dp: 2,
             tp: 2,
             pp: 3,
+            ..ParallelDims::default()
         };
         assert_eq!(dims.coordinates(0), (0, 0, 0));
         assert_eq!(dims.coordinates(1), (0, 0, 1));
@@ -353,6 +494,7 @@ mod tests {
             dp: 1,
             tp: 1,
             pp: 2,
+            ..ParallelDims::default()
         };
         let plan = dims
             .pipeline(ScheduleKind::Interleaved, 2, 4, 4, &[])
@@ -363,5 +505,44 @@ mod tests {
             .pipeline(ScheduleKind::OneFOneB, 1, 4, 1, &[])
             .unwrap_err();
         assert!(err.to_string().contains("over 1 layers"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod mesh_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_mesh_holds_every_group_of_its_rank() {
+        let dims = ParallelDims {
+            dp: 2,
+            tp: 2,
+            pp: 2,
+            ..ParallelDims::default()
+        };
+        let options = CommOptions {
+            timeout: Duration::from_secs(10),
+            debug: false,
+        };
+        let meshes = Mesh::local(dims, options).unwrap();
+        assert_eq!(meshes.len(), 8);
+        // Rank 5 is (dp 1, pp 0, tp 1).
+        let mesh = &meshes[5];
+        assert_eq!(mesh.data().global_ranks(), [1, 5]);
+        assert_eq!(mesh.tensor().global_ranks(), [4, 5]);
+        assert_eq!(mesh.pipeline().global_ranks(), [5, 7]);
+        assert_eq!(mesh.replica().global_ranks(), [4, 5, 6, 7]);
+        assert_eq!(
+            mesh.tie_group().unwrap().unwrap().global_ranks(),
+            [5, 7],
+            "a two-stage pipeline ties its only two stages"
+        );
+        let wrong = ParallelDims { dp: 3, ..dims };
+        assert!(matches!(
+            Mesh::new(meshes[0].world().clone(), wrong),
+            Err(MeshError::World { product: 12, .. })
+        ));
     }
 }

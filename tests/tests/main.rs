@@ -1,10 +1,11 @@
 //! Cross-crate integration tests: collectives, the decorator, tensor-parallel mappings, tcp
-//! processes and faults.
+//! processes, faults, and a Burn user's model under the data-parallel burn-train strategy.
 //!
 //! One test binary for the crate, its files as modules: every integration-test binary links Burn,
 //! wgpu and CubeCL again.
 
 mod collectives;
+mod data_parallel_example;
 mod decorator;
 mod faults;
 #[cfg(feature = "cuda")]

@@ -46,7 +46,7 @@ use crate::dp::{self, FlatLayout, FlatTensors, ReduceStats};
 mod state;
 mod units;
 
-pub use state::{FullMoments, Piece, StateBytes};
+pub use state::{FullMoments, Piece, ShardMoments, StateBytes};
 pub use units::{Placeholders, ShardedStep, run_sharded_forward, run_sharded_step};
 
 /// What is sharded over the data-parallel ranks (see the module table).
@@ -177,6 +177,12 @@ impl<B: Backend> ZeroOptimizer<B> {
 
     pub fn group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    /// Follows the parameters to new ids (a module whose record was loaded takes the record's
+    /// ids), matched by registration order and shape; see [`FlatLayout::rebind`].
+    pub fn rebind(&mut self, params: &[dp::ParamSpec]) -> Result<(), ZeroError> {
+        self.layout.rebind(params).map_err(ZeroError::State)
     }
 
     /// Whether this optimizer keeps its own copy of the owned parameters.

@@ -368,7 +368,7 @@ pub fn save<B: AutodiffBackend>(
     }
     match optimizers {
         Optimizers::Replicated { optimizer, .. } if first_replica => {
-            let records = optimizer.to_record();
+            let records = wildfire_parallel::update::lock(optimizer).to_record();
             let mut moments = CollectMoments::<B> {
                 records: &records,
                 tensors: Vec::new(),
@@ -384,7 +384,7 @@ pub fn save<B: AutodiffBackend>(
         }
         Optimizers::Replicated { .. } => {}
         Optimizers::Sharded(_) => {
-            let zero = optimizers.sharded().context("a sharded optimizer")?;
+            let zero = optimizers.zero().context("a sharded optimizer")?;
             let names = names_by_id(model);
             for piece in zero.pieces()? {
                 let name = &names[&piece.id];

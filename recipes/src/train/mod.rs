@@ -26,10 +26,7 @@ mod update;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{TrainOutcome, resume_config, run, run_on_cpu};
-pub use update::{
-    Optimizers, UpdateGroups, check_same_init, counted_elsewhere, device_inner, inner_device,
-    zero_layout,
-};
+pub use update::{Optimizers, counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -61,7 +58,7 @@ use crate::data::{Sampler, SplitMix64};
 use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
 use crate::optim::{GptOptimizer, WarmupCosine};
-use update::lock;
+use wildfire_parallel::update::{StepOptions, UpdateGroups, group_sum, lock};
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
@@ -185,15 +182,13 @@ impl<B: TrainBackend> StepLoop<B> {
             replica: &rank.replica,
             data: &rank.data,
         };
-        let (model, update) = self.optimizers.update(
-            &groups,
-            model,
-            grads,
-            learner.lr_current(),
-            self.settings.grad_clip,
-            &rank.counted_elsewhere,
+        let options = StepOptions {
+            lr: learner.lr_current(),
+            max_norm: self.settings.grad_clip,
             loss_scale,
-        )?;
+            counted_elsewhere: &rank.counted_elsewhere,
+        };
+        let (model, update) = self.optimizers.update(groups, model, grads, options)?;
         *lock(&self.model) = model;
         if update.grad_norm.is_none() && self.scaler.is_none() {
             bail!(
@@ -249,7 +244,7 @@ impl<B: TrainBackend> StepLoop<B> {
         micro: &[TokenBatch<B>],
         device: &B::Device,
     ) -> anyhow::Result<(GradientsParams, StepStats, Duration)> {
-        if let Some(zero) = self.optimizers.sharded()
+        if let Some(zero) = self.optimizers.zero()
             && zero.stage() == ZeroStage::Three
         {
             let started = Instant::now();
@@ -328,7 +323,7 @@ impl<B: TrainBackend> StepLoop<B> {
 
     /// `value` summed over every rank (itself on one rank).
     fn world_sum(&self, value: f64) -> anyhow::Result<f64> {
-        update::group_sum(&self.rank.world, value)
+        Ok(group_sum(&self.rank.world, value)?)
     }
 
     /// Every pipeline rank's bubble and peak activations, next to the schedule's theory
@@ -367,7 +362,7 @@ impl<B: TrainBackend> StepLoop<B> {
         let batches: Vec<_> = valid.iter().collect();
         let tokens: usize = batches.iter().map(TokenBatch::tokens).sum();
         let rank = &self.rank;
-        let sharded = self.optimizers.sharded();
+        let sharded = self.optimizers.zero();
         let loss_sum = match sharded.as_deref() {
             Some(zero) if zero.stage() == ZeroStage::Three => {
                 let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
@@ -387,7 +382,7 @@ impl<B: TrainBackend> StepLoop<B> {
             }
         };
         drop(sharded);
-        let loss_sum = update::group_sum(&rank.pipe, loss_sum)?;
+        let loss_sum = group_sum(&rank.pipe, loss_sum)?;
         Ok(StepOutput {
             loss_sum,
             tokens,

@@ -18,15 +18,17 @@ use wildfire_backend::comm::{
 use wildfire_backend::kernels::matmul::set_matmul_precision;
 use wildfire_parallel::dp::{self, FlatLayout};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage};
-use wildfire_parallel::mesh::{ParallelDims, PipelinePlan};
+use wildfire_parallel::mesh::{Mesh, ParallelDims, PipelinePlan};
 use wildfire_parallel::pp::graphs_lock;
 
 use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
-    check_same_init, counted_elsewhere, device_inner, inner_device, zero_layout,
+    counted_elsewhere, zero_layout,
 };
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use wildfire_parallel::replicas::verify_replicas;
+use wildfire_parallel::update::{Update, device_inner, inner_device};
 
 use crate::checkpoint::ModelLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
@@ -238,10 +240,11 @@ fn run_rank<B: TrainBackend>(
         dp: parallel.dp,
         tp: parallel.tp,
         pp: parallel.pp,
+        zero: parallel.zero_stage()?,
+        sequence_parallel: parallel.sequence_parallel,
     };
-    dims.validate(world.size())?;
-    let stage = parallel.zero_stage()?;
-    dims.check_zero(stage)?;
+    let mesh = Mesh::new(world, dims)?;
+    let stage = dims.zero;
     let bucket_bytes = parallel.bucket_bytes()?;
     let global_batch = dims.global_batch(
         config.train.global_batch,
@@ -249,12 +252,13 @@ fn run_rank<B: TrainBackend>(
         config.train.grad_accum,
     )?;
     let (data_rank, pipe_rank, _) = dims.coordinates(rank);
-    // Every rank creates its groups in the same order: pipeline, data-parallel,
-    // tensor-parallel, model replica.
-    let pipe = world.subgroup(&dims.pipeline_ranks(rank))?;
-    let data = world.subgroup(&dims.data_ranks(rank))?;
-    let tensor = world.subgroup(&dims.tensor_ranks(rank))?;
-    let replica = world.subgroup(&dims.model_ranks(rank))?;
+    let (world, pipe, data, tensor, replica) = (
+        mesh.world().clone(),
+        mesh.pipeline().clone(),
+        mesh.data().clone(),
+        mesh.tensor().clone(),
+        mesh.replica().clone(),
+    );
     let run_dir = config.run.dir.clone();
     let resumed = check_run_dir(&run_dir, resume)?
         .map(|dir| checkpoint::load(&dir))
@@ -264,11 +268,7 @@ fn run_rank<B: TrainBackend>(
         model: model_config,
         splits,
     } = prepare_data(&config, resumed.as_ref())?;
-    dims.check_tensor_parallel(
-        model_config.n_head,
-        model_config.context,
-        parallel.sequence_parallel,
-    )?;
+    dims.check_tensor_parallel(model_config.n_head, model_config.context)?;
     let checkpointing = config.train.activation_checkpointing;
     if (checkpointing == ActivationCheckpointing::Selective) != B::RECOMPUTES_MEMORY_BOUND_OPS {
         bail!(
@@ -345,7 +345,7 @@ fn run_rank<B: TrainBackend>(
     };
     // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
     world.barrier()?;
-    check_same_init(&model, &data)?;
+    verify_replicas(&model, &data)?;
     let adamw = MatrixDecayAdamW::new(&config.train);
     let mut schedule = WarmupCosine::new(&config.train);
     let mut sampler = Sampler::new(
@@ -367,10 +367,7 @@ fn run_rank<B: TrainBackend>(
             if let Some(loaded) = &resumed {
                 loaded.apply_moments(&model, &optimizer, &layout.plan)?;
             }
-            Optimizers::Replicated {
-                optimizer,
-                layout: FlatLayout::of_module(&model, bucket_bytes),
-            }
+            Optimizers::replicated(optimizer, FlatLayout::of_module(&model, bucket_bytes))
         }
         _ => {
             let mut zero = ZeroOptimizer::new(
@@ -392,7 +389,7 @@ fn run_rank<B: TrainBackend>(
                     device: device.clone(),
                 });
             }
-            Optimizers::Sharded(Mutex::new(zero))
+            Update::sharded(zero)
         }
     };
     report_state_bytes(&world, &optimizers, stage, parallel.offload_optimizer)?;
@@ -411,11 +408,10 @@ fn run_rank<B: TrainBackend>(
     } else {
         None
     };
-    let last_rank = dims.pp - 1;
-    let tie_group =
-        (model_config.tie_embeddings && dims.pp > 1 && (pipe_rank == 0 || pipe_rank == last_rank))
-            .then(|| pipe.subgroup(&[0, last_rank]))
-            .transpose()?;
+    let tie_group = match model_config.tie_embeddings {
+        true => mesh.tie_group()?,
+        false => None,
+    };
     let sampler = Arc::new(Mutex::new(sampler));
     // A resumed fp16 run continues from its saved scale, with the config's settings.
     let saved_scaler = resumed.as_ref().and_then(|r| r.state.loss_scaler.as_ref());

@@ -1,0 +1,294 @@
+//! A Burn user's classifier under data parallelism: an MLP on points it generates, trained
+//! with Burn's `SupervisedTraining` and `Learner`, the user's own `TrainStep` and
+//! `InferenceStep`, and wildfire's [`DataParallel`] strategy. What is wildfire's here: the
+//! backend type (`Autodiff<Parallel<Flex>>` instead of `Autodiff<Flex>`), the optimizer built
+//! through the strategy, the strategy line, and the per-rank artifact directory.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::lr_scheduler::constant::ConstantLr;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::train::metric::LossMetric;
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+};
+use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_parallel::DataParallel;
+use wildfire_parallel::pp::graphs_lock;
+use wildfire_parallel::strategy::Silent;
+
+/// Input features, hidden units and classes.
+pub const FEATURES: usize = 16;
+pub const HIDDEN: usize = 32;
+pub const CLASSES: usize = 4;
+
+/// Two linear layers with a ReLU between them. `losses` records each training batch's loss
+/// (this rank's), so a run can be compared step by step; it is not a parameter.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    hidden: Linear<B>,
+    output: Linear<B>,
+    activation: Relu,
+    #[module(skip)]
+    losses: LossLog,
+}
+
+/// Losses of the training batches, in order; clones share it.
+#[derive(Debug, Clone, Default)]
+pub struct LossLog(pub Arc<Mutex<Vec<f32>>>);
+
+impl LossLog {
+    pub fn values(&self) -> Vec<f32> {
+        self.0.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+impl<B: Backend> Mlp<B> {
+    pub fn new(device: &B::Device, losses: LossLog) -> Self {
+        Self {
+            hidden: LinearConfig::new(FEATURES, HIDDEN).init(device),
+            output: LinearConfig::new(HIDDEN, CLASSES).init(device),
+            activation: Relu::new(),
+            losses,
+        }
+    }
+
+    pub fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+        let hidden = self.activation.forward(self.hidden.forward(inputs));
+        self.output.forward(hidden)
+    }
+
+    /// The batch's mean cross-entropy and the logits.
+    pub fn classify(&self, batch: Points<B>) -> ClassificationOutput<B> {
+        let logits = self.forward(batch.inputs);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.targets.clone());
+        ClassificationOutput::new(loss, logits, batch.targets)
+    }
+
+    /// Every parameter's values, flattened, in registration order.
+    pub fn parameters(&self) -> Vec<f32> {
+        struct Values(Vec<f32>);
+        impl<B: Backend> ModuleVisitor<B> for Values {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let data = param.val().into_data().convert::<f32>();
+                self.0.extend(data.to_vec::<f32>().unwrap_or_default());
+            }
+        }
+        let mut values = Values(Vec::new());
+        self.visit(&mut values);
+        values.0
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Mlp<B> {
+    type Input = Points<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Points<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let output = self.classify(batch);
+        if let Ok(mut losses) = self.losses.0.lock() {
+            losses.push(output.loss.clone().into_scalar().elem::<f32>());
+        }
+        TrainOutput::new(self, output.loss.backward(), output)
+    }
+}
+
+impl<B: Backend> InferenceStep for Mlp<B> {
+    type Input = Points<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Points<B>) -> ClassificationOutput<B> {
+        self.classify(batch)
+    }
+}
+
+/// A batch of labelled points.
+#[derive(Debug, Clone)]
+pub struct Points<B: Backend> {
+    pub inputs: Tensor<B, 2>,
+    pub targets: Tensor<B, 1, Int>,
+}
+
+/// One labelled point.
+#[derive(Debug, Clone)]
+pub struct Point {
+    pub features: [f32; FEATURES],
+    pub class: i64,
+}
+
+/// `len` points drawn from `seed`: features uniform in [−1, 1], the class the largest of four
+/// fixed linear scores (so there is something to learn).
+#[derive(Debug, Clone)]
+pub struct Blobs {
+    pub len: usize,
+    pub seed: u64,
+}
+
+impl Dataset<Point> for Blobs {
+    fn get(&self, index: usize) -> Option<Point> {
+        if index >= self.len {
+            return None;
+        }
+        let mut state = (self.seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+        let mut features = [0f32; FEATURES];
+        for value in &mut features {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            *value = (state % 2001) as f32 / 1000.0 - 1.0;
+        }
+        let score = |class: usize| -> f32 {
+            (features.iter().enumerate())
+                .map(|(i, x)| x * (((i * 7 + class * 3) % 5) as f32 - 2.0))
+                .sum()
+        };
+        let class = (0..CLASSES)
+            .max_by(|a, b| score(*a).total_cmp(&score(*b)))
+            .unwrap_or(0) as i64;
+        Some(Point { features, class })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// `inner` reordered so that batch `k` of `ranks · batch` points is the concatenation of batch
+/// `k` of every rank's share under [`DataParallel`] (rank `r` trains on points
+/// `[r·n/p, (r+1)·n/p)`): the serial run that a data-parallel run equals.
+#[derive(Debug, Clone)]
+pub struct ConcatenatedBatches<D> {
+    pub inner: D,
+    pub ranks: usize,
+    pub batch: usize,
+}
+
+impl<D: Dataset<Point>> Dataset<Point> for ConcatenatedBatches<D> {
+    fn get(&self, index: usize) -> Option<Point> {
+        let share = self.inner.len() / self.ranks;
+        let global = self.ranks * self.batch;
+        let (step, within) = (index / global, index % global);
+        let (rank, offset) = (within / self.batch, within % self.batch);
+        self.inner
+            .get(rank * share + step * self.batch + offset)
+            .filter(|_| index < self.len())
+    }
+
+    fn len(&self) -> usize {
+        self.inner.len() / self.ranks * self.ranks
+    }
+}
+
+#[derive(Debug, Clone)]
+struct PointBatcher;
+
+impl<B: Backend> Batcher<B, Point, Points<B>> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &B::Device) -> Points<B> {
+        let features: Vec<f32> = items.iter().flat_map(|p| p.features).collect();
+        let classes: Vec<i64> = items.iter().map(|p| p.class).collect();
+        Points {
+            inputs: Tensor::from_data(TensorData::new(features, [items.len(), FEATURES]), device),
+            targets: Tensor::from_data(TensorData::new(classes, [items.len()]), device),
+        }
+    }
+}
+
+/// What to train.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// burn-train's artifact directory (rank `r > 0` uses `dir/rank-r`).
+    pub dir: PathBuf,
+    /// Points per batch on each rank.
+    pub batch: usize,
+    /// Training points in all (each rank trains on its share).
+    pub points: usize,
+    pub epochs: usize,
+    /// Resume from this epoch's checkpoint (every epoch is checkpointed).
+    pub resume: Option<usize>,
+    /// The model's initialisation seed (ranks may differ: rank 0's parameters are broadcast).
+    pub seed: u64,
+    pub lr: f64,
+    /// Reorder the training points for a serial run that equals a run on this many ranks.
+    pub serial_for_ranks: Option<usize>,
+}
+
+/// What a run produced on this rank.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Outcome {
+    /// This rank's loss of each training batch.
+    pub losses: Vec<f32>,
+    /// The trained parameters, flattened in registration order.
+    pub parameters: Vec<f32>,
+}
+
+/// Trains the MLP under `strategy` (every rank calls it) on backend `B`.
+pub fn train<B: AutodiffBackend>(strategy: DataParallel, run: &Run) -> Outcome {
+    let device = B::Device::default();
+    let losses = LossLog::default();
+    let model = {
+        // Ranks that are threads of one process share Burn's RNG: each seeds and draws its
+        // model (reading the parameters draws them) while no other rank does.
+        let _lock = graphs_lock();
+        B::seed(&device, run.seed);
+        let model = Mlp::<B>::new(&device, losses.clone());
+        model.parameters();
+        model
+    };
+    let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01));
+
+    let points = Blobs {
+        len: run.points,
+        seed: 7,
+    };
+    let valid = Blobs {
+        len: run.points / 4,
+        seed: 11,
+    };
+    let train_loader = match run.serial_for_ranks {
+        Some(ranks) => DataLoaderBuilder::new(PointBatcher)
+            .batch_size(run.batch)
+            .build(ConcatenatedBatches {
+                inner: points,
+                ranks,
+                batch: run.batch / ranks,
+            }),
+        None => DataLoaderBuilder::new(PointBatcher)
+            .batch_size(run.batch)
+            .build(points),
+    };
+    let valid_loader = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(run.batch)
+        .build(valid);
+
+    let dir = strategy.artifact_dir(&run.dir);
+    let strategy_rank = strategy.mesh().world().rank();
+    let mut training = SupervisedTraining::new(dir, train_loader, valid_loader)
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+        .num_epochs(run.epochs)
+        .with_application_logger(None)
+        .with_training_strategy(strategy.into());
+    if strategy_rank != 0 {
+        training = training.renderer(Silent);
+    }
+    if let Some(epoch) = run.resume {
+        training = training.checkpoint(epoch);
+    }
+    let result = training.launch(Learner::new(model, optimizer, ConstantLr::new(run.lr)));
+    Outcome {
+        losses: losses.values(),
+        parameters: result.model.parameters(),
+    }
+}

@@ -1,0 +1,293 @@
+//! From a rank's local gradients to updated parameters, for any Burn module, under every
+//! data-parallel mode: the reduction over the data-parallel ranks, the global gradient norm and
+//! clipping (with fp16's unscaling and skipped steps), and the optimizer step.
+//!
+//! ```text
+//! ZeRO 0 (DDP)   all-reduce in buckets → full gradients on every replica → the caller's Burn
+//!                optimizer (any), per tensor
+//! ZeRO 1 / 2     all-reduce / reduce-scatter in buckets → owned parts → AdamW on the owned
+//!                parts → all-gather the updated parameters
+//! ZeRO 3         (the step reduce-scattered already) → AdamW on the owned parts, kept sharded
+//! ```
+//!
+//! The norm is that of the full gradient in every mode: replicated gradients are summed over
+//! the ranks of one model replica only (pipeline stages × tensor-parallel parts; each
+//! parameter once: the caller names the parameters another rank of the replica counts), owned
+//! parts over every rank.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn::module::{AutodiffModule, ParamId};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, ReduceOp};
+
+use crate::clip::{grad_sum_of_squares, scale_grads, unscale_and_clip};
+use crate::dp::{self, FlatLayout, ReduceStats, SetParams};
+use crate::fsdp::{StateBytes, ZeroError, ZeroOptimizer, ZeroStage};
+use crate::mesh::Mesh;
+use crate::pp::graphs_lock;
+use crate::precision::unscaled_norm;
+
+/// Why an update failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    #[error("{0}")]
+    Comm(#[from] CommError),
+    #[error("{0}")]
+    Zero(#[from] ZeroError),
+}
+
+/// The groups an update communicates over.
+#[derive(Debug, Clone, Copy)]
+pub struct UpdateGroups<'a> {
+    /// Every rank of the job.
+    pub world: &'a ProcessGroup,
+    /// The ranks that hold one model replica between them (pipeline × tensor-parallel).
+    pub replica: &'a ProcessGroup,
+    /// This rank's data-parallel group.
+    pub data: &'a ProcessGroup,
+}
+
+impl<'a> From<&'a Mesh> for UpdateGroups<'a> {
+    fn from(mesh: &'a Mesh) -> Self {
+        Self {
+            world: mesh.world(),
+            replica: mesh.replica(),
+            data: mesh.data(),
+        }
+    }
+}
+
+/// What an update measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UpdateStats {
+    /// The global norm of the (unscaled) gradients before clipping; `None` when some gradient
+    /// overflowed, and the update was skipped.
+    pub grad_norm: Option<f64>,
+    pub reduce: ReduceStats,
+}
+
+impl UpdateStats {
+    fn applied(grad_norm: f64, reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm: Some(grad_norm),
+            reduce,
+        }
+    }
+
+    fn skipped(reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm: None,
+            reduce,
+        }
+    }
+}
+
+/// How gradients become a step: clipping bound, fp16 loss scale, and the parameters whose
+/// gradients another rank of the replica puts into the norm.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOptions<'a> {
+    pub lr: f64,
+    /// Global-norm bound; 0 measures the norm without clipping.
+    pub max_norm: f64,
+    /// The gradients are those of `loss_scale · L` (fp16's loss scaling; 1 otherwise).
+    pub loss_scale: f64,
+    /// Parameters left out of the norm: exact copies of a parameter another rank counts (a
+    /// tied embedding's second copy, a parameter every tensor-parallel rank holds whole).
+    pub counted_elsewhere: &'a [ParamId],
+}
+
+impl StepOptions<'_> {
+    /// A step at `lr`, clipped to `max_norm`, without loss scaling.
+    pub fn new(lr: f64, max_norm: f64) -> Self {
+        Self {
+            lr,
+            max_norm,
+            loss_scale: 1.0,
+            counted_elsewhere: &[],
+        }
+    }
+}
+
+/// `value` summed over `group` (itself in a group of one).
+pub fn group_sum(group: &ProcessGroup, value: f64) -> Result<f64, CommError> {
+    if group.size() == 1 {
+        return Ok(value);
+    }
+    let sum = group.all_reduce_host(HostTensor::new(vec![value], vec![1]), ReduceOp::Sum)?;
+    Ok(sum.data[0])
+}
+
+/// The data-parallel update of a module `M` on autodiff backend `A`: DDP with any Burn
+/// optimizer `O`, or ZeRO 1–3's sharded AdamW.
+pub enum Update<A: AutodiffBackend, O> {
+    /// ZeRO 0: every replica holds everything; `layout` gives the all-reduce's buckets.
+    Replicated {
+        optimizer: Mutex<O>,
+        layout: Mutex<FlatLayout>,
+    },
+    /// ZeRO 1–3.
+    Sharded(Mutex<ZeroOptimizer<A::InnerBackend>>),
+}
+
+impl<A: AutodiffBackend, O> std::fmt::Debug for Update<A, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Replicated { layout, .. } => f
+                .debug_struct("Replicated")
+                .field("buckets", &lock(layout).buckets.len())
+                .finish(),
+            Self::Sharded(zero) => f.debug_tuple("Sharded").field(&*lock(zero)).finish(),
+        }
+    }
+}
+
+/// `mutex`'s value, also after a panic elsewhere poisoned it.
+pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<A: AutodiffBackend, O> Update<A, O> {
+    /// DDP with `optimizer` over the buckets `layout`.
+    pub fn replicated(optimizer: O, layout: FlatLayout) -> Self {
+        Self::Replicated {
+            optimizer: Mutex::new(optimizer),
+            layout: Mutex::new(layout),
+        }
+    }
+
+    /// ZeRO 1–3 with `zero`.
+    pub fn sharded(zero: ZeroOptimizer<A::InnerBackend>) -> Self {
+        Self::Sharded(Mutex::new(zero))
+    }
+
+    /// The ZeRO stage.
+    pub fn stage(&self) -> ZeroStage {
+        match self {
+            Self::Replicated { .. } => ZeroStage::Zero0,
+            Self::Sharded(zero) => lock(zero).stage(),
+        }
+    }
+
+    /// The sharded optimizer, where there is one.
+    pub fn zero(&self) -> Option<MutexGuard<'_, ZeroOptimizer<A::InnerBackend>>> {
+        match self {
+            Self::Replicated { .. } => None,
+            Self::Sharded(zero) => Some(lock(zero)),
+        }
+    }
+
+    /// The replicated optimizer, where there is one.
+    pub fn optimizer(&self) -> Option<MutexGuard<'_, O>> {
+        match self {
+            Self::Replicated { optimizer, .. } => Some(lock(optimizer)),
+            Self::Sharded(_) => None,
+        }
+    }
+
+    /// Bytes this rank holds for its model state (f32): under ZeRO 0 the whole parameters,
+    /// gradients and two AdamW moments (what Burn's AdamW keeps; other optimizers differ).
+    pub fn state_bytes(&self) -> StateBytes {
+        match self {
+            Self::Replicated { layout, .. } => {
+                let bytes = 4 * lock(layout).numel();
+                StateBytes {
+                    params: bytes,
+                    grads: bytes,
+                    optimizer_device: 2 * bytes,
+                    optimizer_host: 0,
+                }
+            }
+            Self::Sharded(zero) => lock(zero).state_bytes(),
+        }
+    }
+
+    /// Reduces `grads` (this rank's, summed over its micro-batches; under ZeRO 3 already
+    /// reduced to owned parts) over the data-parallel ranks, clips by the global norm, and
+    /// returns the updated model.
+    ///
+    /// Unscaling rides with the clipping: `g ← g · min(1, max_norm/‖g‖) / S` with
+    /// `‖g‖ = ‖S·g‖ / S`. When `‖S·g‖` is not finite, some gradient on some rank overflowed:
+    /// every rank sees the same sum of squares, so every rank returns the model unchanged
+    /// (`grad_norm: None`). A gradient left out of the sum (`counted_elsewhere`) is an exact
+    /// copy of one in it, so it cannot overflow alone.
+    pub fn update<M>(
+        &self,
+        groups: UpdateGroups,
+        model: M,
+        grads: GradientsParams,
+        options: StepOptions,
+    ) -> Result<(M, UpdateStats), UpdateError>
+    where
+        M: AutodiffModule<A>,
+        O: Optimizer<M, A>,
+    {
+        let StepOptions {
+            lr,
+            max_norm,
+            loss_scale,
+            counted_elsewhere,
+        } = options;
+        match self {
+            Self::Replicated { optimizer, layout } => {
+                let device = inner_device(&model);
+                let (mut grads, reduce) =
+                    dp::all_reduce_gradients(groups.data, &lock(layout), &model, grads, &device)?;
+                let squares = grad_sum_of_squares(&model, &grads, counted_elsewhere);
+                let scaled_norm = group_sum(groups.replica, squares)?.sqrt();
+                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
+                    return Ok((model, UpdateStats::skipped(reduce)));
+                };
+                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
+                    scale_grads(&model, &mut grads, factor);
+                }
+                let mut optimizer = lock(optimizer);
+                let _lock = graphs_lock();
+                let model = optimizer.step(lr, model, grads);
+                Ok((model, UpdateStats::applied(grad_norm, reduce)))
+            }
+            Self::Sharded(zero) => {
+                let mut zero = lock(zero);
+                let (mut grads, reduce) = match zero.stage() {
+                    ZeroStage::Three => (grads, ReduceStats::default()),
+                    _ => zero.reduce(&model, grads)?,
+                };
+                let squares = zero.shard_sum_of_squares(&grads, counted_elsewhere);
+                let scaled_norm = group_sum(groups.world, squares)?.sqrt();
+                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
+                    return Ok((model, UpdateStats::skipped(reduce)));
+                };
+                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
+                    zero.scale_shards(&mut grads, factor);
+                }
+                let current = match zero.stage() {
+                    ZeroStage::Three => Default::default(),
+                    _ => dp::flat_params(&model),
+                };
+                let updated = zero.step(lr, &current, &mut grads)?;
+                drop(current);
+                let _lock = graphs_lock();
+                let model = model.map(&mut SetParams(&updated));
+                Ok((model, UpdateStats::applied(grad_norm, reduce)))
+            }
+        }
+    }
+}
+
+/// The inner backend's device of `module`'s parameters (the default device for a module
+/// without any).
+pub fn inner_device<A: AutodiffBackend, M: AutodiffModule<A>>(
+    module: &M,
+) -> burn::tensor::Device<A::InnerBackend> {
+    device_inner::<A>(&module.devices().into_iter().next().unwrap_or_default())
+}
+
+/// The inner backend's device that corresponds to `device`.
+pub fn device_inner<A: AutodiffBackend>(
+    device: &A::Device,
+) -> burn::tensor::Device<A::InnerBackend> {
+    burn::tensor::Tensor::<A, 1>::zeros([1], device)
+        .inner()
+        .device()
+}
