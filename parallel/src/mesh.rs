@@ -408,7 +408,7 @@ mod tests {
             Err(MeshError::SequenceWithoutTensor)
         ));
         assert!(matches!(
-            serial.validate(4),
+            serial.validate(1),
             Err(MeshError::SequenceWithoutTensor)
         ));
         let zero3 = ParallelDims {
