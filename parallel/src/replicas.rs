@@ -14,7 +14,7 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup};
+use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, fnv1a};
 
 /// Why the replicas could not be made or found identical.
 #[derive(Debug, thiserror::Error)]
@@ -134,16 +134,6 @@ pub(crate) fn replace_values<B: Backend, M: Module<B>>(
     module.map(&mut Replace(values.into_iter().collect()))
 }
 
-/// FNV-1a over `bytes`, continuing from `hash`.
-pub fn fnv1a(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// FNV-1a's starting value.
-pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
 /// Checks that every rank of `group` (the data-parallel group) holds bitwise the same
 /// parameters, comparing one checksum per parameter; the error names the first parameter that
 /// differs and the first rank that differs from rank 0 in it.
@@ -158,7 +148,7 @@ pub fn verify_replicas<B: Backend, M: Module<B>>(
     let mine: Vec<f64> = values(module)
         .into_iter()
         .flat_map(|(_, value)| {
-            let hash = fnv1a(FNV_OFFSET, value.into_data().as_bytes());
+            let hash = fnv1a(value.into_data().as_bytes().iter().copied());
             // Two halves, each exact in f64.
             [(hash >> 32) as f64, (hash & 0xffff_ffff) as f64]
         })

@@ -124,15 +124,16 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
-fn fnv1a(parts: &[u64]) -> u64 {
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
-    for part in parts {
-        for byte in part.to_le_bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    hash
+/// FNV-1a (64 bits) of `bytes`: a stable checksum, the same in every process.
+pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// FNV-1a of `parts`' little-endian bytes.
+fn fnv1a_words(parts: &[u64]) -> u64 {
+    fnv1a(parts.iter().flat_map(|part| part.to_le_bytes()))
 }
 
 impl ProcessGroup {
@@ -144,7 +145,7 @@ impl ProcessGroup {
         let world_size = transport.world_size();
         Self {
             inner: Arc::new(GroupInner {
-                id: fnv1a(&[world_size as u64]),
+                id: fnv1a_words(&[world_size as u64]),
                 ranks: (0..world_size).collect(),
                 me: transport.rank(),
                 seq: AtomicU64::new(0),
@@ -275,7 +276,7 @@ impl ProcessGroup {
         parts.push(instance);
         Ok(Self {
             inner: Arc::new(GroupInner {
-                id: fnv1a(&parts),
+                id: fnv1a_words(&parts),
                 ranks: global,
                 me,
                 seq: AtomicU64::new(0),

@@ -60,7 +60,7 @@ pub use element::{Accumulator, CommElem, ReduceOp, WireDType};
 pub use env::{DEFAULT_MASTER_PORT, LaunchEnv, LaunchFlags, LaunchSource, expand_nodelist};
 pub use error::CommError;
 pub use group::{
-    CommOptions, DEBUG_ENV, ProcessGroup, TIMEOUT_ENV, parse_timeout, timeout_from_secs,
+    CommOptions, DEBUG_ENV, ProcessGroup, TIMEOUT_ENV, fnv1a, parse_timeout, timeout_from_secs,
 };
 pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
