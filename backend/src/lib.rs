@@ -2,6 +2,7 @@
 //! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), and the
 //! process launcher behind `wildfire launch` ([`launch`]).
 
+pub mod alloc;
 pub mod collective;
 pub mod comm;
 mod decorator;

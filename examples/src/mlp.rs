@@ -1,7 +1,9 @@
 //! A Burn user's classifier under data parallelism: an MLP on points it generates, trained
 //! with Burn's `SupervisedTraining` and `Learner`, the user's own `TrainStep` and
 //! `InferenceStep`, and wildfire's [`DataParallel`] strategy. What is wildfire's here: the
-//! backend type (`Autodiff<Parallel<Flex>>` instead of `Autodiff<Flex>`), the optimizer built
+//! backend type (`Autodiff<Parallel<Flex>, BalancedCheckpointing>` instead of `Autodiff<Flex>`;
+//! the checkpointing only matters to ZeRO 3), the hidden blocks wrapped in [`ShardedUnit`]
+//! (which ZeRO 3 shards; under the other stages a unit is its block), the optimizer built
 //! through the strategy, the strategy line, and the per-rank artifact directory.
 
 use std::path::PathBuf;
@@ -21,50 +23,117 @@ use burn::train::metric::LossMetric;
 use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
+use wildfire_backend::collective::CollectiveBackend;
 use wildfire_backend::kernels::adamw::FusedAdamW;
 use wildfire_parallel::DataParallel;
+use wildfire_parallel::fsdp::ShardedUnit;
 use wildfire_parallel::pp::graphs_lock;
-use wildfire_parallel::strategy::Silent;
+use wildfire_parallel::strategy::{Silent, StrategyError};
 
-/// Input features, hidden units and classes.
+/// Input features and classes.
 pub const FEATURES: usize = 16;
-pub const HIDDEN: usize = 32;
 pub const CLASSES: usize = 4;
 
-/// Two linear layers with a ReLU between them. `losses` records each training batch's loss
-/// (this rank's), so a run can be compared step by step; it is not a parameter.
+/// The hidden layers' size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Shape {
+    /// Units per hidden layer.
+    pub width: usize,
+    /// Hidden `width × width` blocks after the input layer.
+    pub blocks: usize,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Self {
+            width: 32,
+            blocks: 2,
+        }
+    }
+}
+
+/// An input layer, `blocks` hidden blocks (each a ZeRO 3 unit) and an output layer, with ReLUs
+/// between them. `log` records each training batch's loss (this rank's), so a run can be
+/// compared step by step; it is not a parameter.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    hidden: Linear<B>,
+    input: Linear<B>,
+    blocks: Vec<ShardedUnit<B, Block<B>>>,
     output: Linear<B>,
     activation: Relu,
     #[module(skip)]
-    losses: LossLog,
+    log: StepLog,
 }
 
-/// Losses of the training batches, in order; clones share it.
-#[derive(Debug, Clone, Default)]
-pub struct LossLog(pub Arc<Mutex<Vec<f32>>>);
+/// A hidden layer and its ReLU.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    linear: Linear<B>,
+    activation: Relu,
+}
 
-impl LossLog {
-    pub fn values(&self) -> Vec<f32> {
-        self.0.lock().map(|l| l.clone()).unwrap_or_default()
+impl<B: Backend> Block<B> {
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.activation.forward(self.linear.forward(x))
+    }
+}
+
+/// What each training step records; clones share it: the batch's loss, and an optional probe
+/// called as each step starts (a test's heap measurement).
+#[derive(Clone, Default)]
+pub struct StepLog {
+    losses: Arc<Mutex<Vec<f32>>>,
+    probe: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for StepLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepLog")
+            .field("steps", &self.losses().len())
+            .field("probe", &self.probe.is_some())
+            .finish()
+    }
+}
+
+impl StepLog {
+    /// A log whose steps call `probe` as they start.
+    pub fn probed(probe: impl Fn() + Send + Sync + 'static) -> Self {
+        Self {
+            probe: Some(Arc::new(probe)),
+            ..Self::default()
+        }
+    }
+
+    pub fn losses(&self) -> Vec<f32> {
+        self.losses.lock().map(|l| l.clone()).unwrap_or_default()
     }
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn new(device: &B::Device, losses: LossLog) -> Self {
-        Self {
-            hidden: LinearConfig::new(FEATURES, HIDDEN).init(device),
-            output: LinearConfig::new(HIDDEN, CLASSES).init(device),
+    pub fn new(device: &B::Device, shape: Shape, log: StepLog) -> Self {
+        let block = || Block {
+            linear: LinearConfig::new(shape.width, shape.width).init(device),
             activation: Relu::new(),
-            losses,
+        };
+        Self {
+            input: LinearConfig::new(FEATURES, shape.width).init(device),
+            blocks: (0..shape.blocks)
+                .map(|_| ShardedUnit::new(block()))
+                .collect(),
+            output: LinearConfig::new(shape.width, CLASSES).init(device),
+            activation: Relu::new(),
+            log,
         }
     }
+}
 
+impl<B: CollectiveBackend> Mlp<B> {
     pub fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
-        let hidden = self.activation.forward(self.hidden.forward(inputs));
-        self.output.forward(hidden)
+        let mut x = self.activation.forward(self.input.forward(inputs));
+        for block in &self.blocks {
+            x = block.forward(x, |block, x| block.forward(x));
+        }
+        self.output.forward(x)
     }
 
     /// The batch's mean cross-entropy and the logits.
@@ -75,7 +144,9 @@ impl<B: Backend> Mlp<B> {
             .forward(logits.clone(), batch.targets.clone());
         ClassificationOutput::new(loss, logits, batch.targets)
     }
+}
 
+impl<B: Backend> Mlp<B> {
     /// Every parameter's values, flattened, in registration order.
     pub fn parameters(&self) -> Vec<f32> {
         struct Values(Vec<f32>);
@@ -91,20 +162,23 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-impl<B: AutodiffBackend> TrainStep for Mlp<B> {
+impl<B: AutodiffBackend + CollectiveBackend> TrainStep for Mlp<B> {
     type Input = Points<B>;
     type Output = ClassificationOutput<B>;
 
     fn step(&self, batch: Points<B>) -> TrainOutput<ClassificationOutput<B>> {
+        if let Some(probe) = &self.log.probe {
+            probe();
+        }
         let output = self.classify(batch);
-        if let Ok(mut losses) = self.losses.0.lock() {
+        if let Ok(mut losses) = self.log.losses.lock() {
             losses.push(output.loss.clone().into_scalar().elem::<f32>());
         }
         TrainOutput::new(self, output.loss.backward(), output)
     }
 }
 
-impl<B: Backend> InferenceStep for Mlp<B> {
+impl<B: CollectiveBackend> InferenceStep for Mlp<B> {
     type Input = Points<B>;
     type Output = ClassificationOutput<B>;
 
@@ -221,6 +295,9 @@ pub struct Run {
     pub lr: f64,
     /// Reorder the training points for a serial run that equals a run on this many ranks.
     pub serial_for_ranks: Option<usize>,
+    pub shape: Shape,
+    /// Where the steps record their losses (and what they call as they start).
+    pub log: StepLog,
 }
 
 /// What a run produced on this rank.
@@ -233,19 +310,22 @@ pub struct Outcome {
 }
 
 /// Trains the MLP under `strategy` (every rank calls it) on backend `B`.
-pub fn train<B: AutodiffBackend>(strategy: DataParallel, run: &Run) -> Outcome {
+pub fn train<B>(strategy: DataParallel, run: &Run) -> Result<Outcome, StrategyError>
+where
+    B: AutodiffBackend + CollectiveBackend,
+    B::InnerBackend: CollectiveBackend,
+{
     let device = B::Device::default();
-    let losses = LossLog::default();
     let model = {
         // Ranks that are threads of one process share Burn's RNG: each seeds and draws its
         // model (reading the parameters draws them) while no other rank does.
         let _lock = graphs_lock();
         B::seed(&device, run.seed);
-        let model = Mlp::<B>::new(&device, losses.clone());
+        let model = Mlp::<B>::new(&device, run.shape, run.log.clone());
         model.parameters();
         model
     };
-    let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01));
+    let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01))?;
 
     let points = Blobs {
         len: run.points,
@@ -287,8 +367,8 @@ pub fn train<B: AutodiffBackend>(strategy: DataParallel, run: &Run) -> Outcome {
         training = training.checkpoint(epoch);
     }
     let result = training.launch(Learner::new(model, optimizer, ConstantLr::new(run.lr)));
-    Outcome {
-        losses: losses.values(),
+    Ok(Outcome {
+        losses: run.log.losses(),
         parameters: result.model.parameters(),
-    }
+    })
 }

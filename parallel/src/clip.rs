@@ -41,11 +41,21 @@ pub fn grad_sum_of_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &GradientsParams,
     skip: &[ParamId],
 ) -> f64 {
+    grad_sum_of_squares_where(module, grads, |id| !skip.contains(&id))
+}
+
+/// Σ‖g_p‖² over the parameters of `module` that have gradients and that `counted` accepts, in
+/// module order.
+pub fn grad_sum_of_squares_where<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    counted: impl Fn(ParamId) -> bool,
+) -> f64 {
     let mut total = 0.0;
     module.visit(&mut GradVisitor {
         grads,
         each: |id, squares| {
-            if !skip.contains(&id) {
+            if counted(id) {
                 total += squares;
             }
         },

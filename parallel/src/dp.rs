@@ -337,8 +337,9 @@ pub struct ReduceStats {
     pub total: Duration,
 }
 
-/// DDP's reduction: every gradient of `module` summed over `group`, bucket by bucket in
-/// `layout`'s order, bitwise identical on every rank (the transport sums in rank order).
+/// DDP's reduction: every gradient of `module`'s parameters in `layout` summed over `group`,
+/// bucket by bucket in `layout`'s order, bitwise identical on every rank (the transport sums in
+/// rank order). Gradients of parameters outside `layout` are left as they are.
 pub fn all_reduce_gradients<A: AutodiffBackend, M: AutodiffModule<A>>(
     group: &ProcessGroup,
     layout: &FlatLayout,
@@ -365,6 +366,7 @@ pub fn all_reduce_gradients<A: AutodiffBackend, M: AutodiffModule<A>>(
         stats.elements += bucket.numel;
         reduced.extend(unflatten(bucket, sum));
     }
+    reduced.extend(flat);
     put_grads(module, &mut grads, reduced);
     stats.total = started.elapsed();
     Ok((grads, stats))

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! let strategy = DataParallel::from_env(ParallelDims::data(dp, ZeroStage::One))?;
-//! let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01));
+//! let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01))?;
 //! SupervisedTraining::new(strategy.artifact_dir(dir), train, valid)
 //!     .with_training_strategy(strategy.into()) /* metrics, epochs … */
 //!     .launch(Learner::new(model, optimizer, lr));
@@ -19,15 +19,26 @@
 //!   `k`'s global batch is the concatenation of every rank's `k`-th batch.
 //! - **Gradients.** [`ParallelOptimizer`] reduces them over the ranks (DDP's buckets, or ZeRO
 //!   1/2's all-reduce / reduce-scatter), clips by the global norm, and steps: with the user's
-//!   own Burn optimizer under DDP, with the sharded AdamW under ZeRO. A `TrainStep` returns the
-//!   gradient of its batch's *mean* loss, as Burn's do, so the sum over ranks is divided by
-//!   `p`: the step is the one of the mean loss over the global batch, as PyTorch's DDP does.
+//!   own Burn optimizer under DDP and ZeRO 3, with the sharded AdamW under ZeRO 1/2. A
+//!   `TrainStep` returns the gradient of its batch's *mean* loss, as Burn's do, so the sum over
+//!   ranks is divided by `p`: the step is the one of the mean loss over the global batch, as
+//!   PyTorch's DDP does.
+//! - **ZeRO 3** shards the parts of the model wrapped in [`crate::fsdp::ShardedUnit`]: after
+//!   the start's broadcast each rank keeps its rows of their parameters, and every forward and
+//!   backward of the Learner runs in a gather scope ([`crate::fsdp::gather_units_within`]). It
+//!   needs `Autodiff<Parallel<B>, BalancedCheckpointing>` and ranks that are processes (thread
+//!   ranks serialise their backward passes, which ZeRO 3's collectives inside them cannot
+//!   wait through).
 //! - **Validation** runs on rank 0 over the whole validation set (every replica holds the same
-//!   model, so its loss is the mean over all ranks' data); the other ranks wait for it.
+//!   model, so its loss is the mean over all ranks' data); the other ranks wait for it. Under
+//!   ZeRO 3 every rank runs it alongside (the units gather collectively), rank 0 records it.
 //! - **Files and progress.** Rank 0 alone renders progress and records metrics. burn-train's
 //!   checkpointer runs on every rank, each in its own directory ([`DataParallel::artifact_dir`]):
-//!   under ZeRO a rank's optimizer record is its own shard of the moments.
+//!   under ZeRO 1/2 a rank's optimizer record is its own shard of the moments, under ZeRO 3 its
+//!   moments of its rows; the model is saved whole under every stage (ZeRO 3 gathers it for the
+//!   save, and for the model `fit` returns).
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -39,26 +50,45 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::LearnerSummary;
 use burn::train::metric::MetricDefinition;
+use burn::train::metric::store::EventStoreClient;
 use burn::train::renderer::{
     EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
-    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
-    TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
+    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningCheckpointer,
+    LearningComponentsTypes, SupervisedLearningStrategy, SupervisedTrainingEventProcessor,
+    TrainLoader, TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
-use wildfire_backend::comm::ProcessGroup;
+use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::comm::{ProcessGroup, split_ranges};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::dp::{self, DEFAULT_BUCKET_BYTES, FlatLayout};
-use crate::fsdp::{FullMoments, ShardMoments, ZeroOptimizer, ZeroStage};
+use crate::fsdp::{
+    FullMoments, ShardError, ShardMoments, ZeroOptimizer, ZeroStage, gather_units,
+    gather_units_within, shard_units, unit_params,
+};
 use crate::mesh::{Mesh, MeshError, ParallelDims};
 use crate::pp::graphs_lock;
 use crate::replicas::{broadcast_parameters, verify_replicas};
 use crate::update::{StepOptions, Update, UpdateGroups, inner_device, lock};
 
-/// The burn-train strategy of data parallelism (DDP or ZeRO 1/2): see the module doc.
+/// Why [`DataParallel`] cannot build an optimizer for a model.
+#[derive(Debug, thiserror::Error)]
+pub enum StrategyError {
+    #[error("{0} updates with its own sharded AdamW: use DataParallel::adamw")]
+    OwnsItsOptimizer(ZeroStage),
+    #[error(
+        "optimizer offload runs in ZeRO 1/2's sharded AdamW; under {0} the Burn optimizer keeps \
+         its state where the parameters are"
+    )]
+    Offload(ZeroStage),
+    #[error("{0}")]
+    Shard(#[from] ShardError),
+}
+
+/// The burn-train strategy of data parallelism (DDP or ZeRO 1/2/3): see the module doc.
 #[derive(Debug, Clone)]
 pub struct DataParallel {
     mesh: Mesh,
@@ -116,53 +146,95 @@ impl DataParallel {
     }
 
     /// AdamW for `model` as this strategy's ZeRO stage runs it: Burn's optimizer adaptor over
-    /// `adamw` (bit for bit Burn's AdamW) after DDP's all-reduce under stage 0, the sharded
-    /// flat AdamW under stages 1 and 2. Stage 3 needs the model cut into units and is not
-    /// offered here.
+    /// `adamw` (bit for bit Burn's AdamW) after DDP's all-reduce under stage 0 and on this
+    /// rank's rows under stage 3, the sharded flat AdamW under stages 1 and 2.
     pub fn adamw<A, M>(
         &self,
         model: &M,
         adamw: FusedAdamW,
-    ) -> ParallelOptimizer<A, OptimizerAdaptor<FusedAdamW, M, A>>
+    ) -> Result<ParallelOptimizer<A, OptimizerAdaptor<FusedAdamW, M, A>>, StrategyError>
     where
-        A: AutodiffBackend,
+        A: AutodiffBackend + CollectiveBackend,
         M: AutodiffModule<A>,
     {
         let stage = self.mesh.dims().zero;
-        assert!(
-            stage != ZeroStage::Three,
-            "DataParallel trains ZeRO stages 0–2 on burn-train; {stage} needs the model cut into \
-             units (see docs/architecture.md)"
+        if matches!(stage, ZeroStage::Zero0 | ZeroStage::Three) {
+            return self.with_optimizer(model, OptimizerAdaptor::from(adamw));
+        }
+        let mut zero = ZeroOptimizer::new(
+            stage,
+            self.mesh.data().clone(),
+            FlatLayout::of_module(model, self.bucket_bytes),
+            (adamw.clone(), adamw),
+            self.offload,
+            inner_device(model),
         );
-        let layout = FlatLayout::of_module(model, self.bucket_bytes);
-        let update = match stage {
-            ZeroStage::Zero0 => Update::replicated(OptimizerAdaptor::from(adamw), layout),
-            _ => {
-                let mut zero = ZeroOptimizer::new(
-                    stage,
-                    self.mesh.data().clone(),
-                    layout,
-                    (adamw.clone(), adamw),
-                    self.offload,
-                    inner_device(model),
-                );
-                zero.set_params(&dp::flat_params(model));
-                Update::sharded(zero)
-            }
-        };
-        self.optimizer(update)
+        zero.set_params(&dp::flat_params(model));
+        Ok(self.optimizer(Update::sharded(zero)))
     }
 
-    /// Any Burn optimizer for `model`, stepped after DDP's all-reduce (ZeRO stage 0 only: the
-    /// sharded stages own their AdamW, see [`Self::adamw`]).
-    pub fn replicated<A, M, O>(&self, model: &M, optimizer: O) -> ParallelOptimizer<A, O>
+    /// Any Burn optimizer for `model`, stepped after DDP's all-reduce (ZeRO 0) or on this
+    /// rank's rows of the units (ZeRO 3). ZeRO 1 and 2 own their AdamW: see [`Self::adamw`].
+    pub fn with_optimizer<A, M, O>(
+        &self,
+        model: &M,
+        optimizer: O,
+    ) -> Result<ParallelOptimizer<A, O>, StrategyError>
     where
-        A: AutodiffBackend,
+        A: AutodiffBackend + CollectiveBackend,
         M: AutodiffModule<A>,
         O: Optimizer<M, A>,
     {
-        let layout = FlatLayout::of_module(model, self.bucket_bytes);
-        self.optimizer(Update::replicated(optimizer, layout))
+        let stage = self.mesh.dims().zero;
+        if self.offload {
+            return Err(StrategyError::Offload(stage));
+        }
+        let update = match stage {
+            ZeroStage::Zero0 => {
+                Update::replicated(optimizer, FlatLayout::of_module(model, self.bucket_bytes))
+            }
+            ZeroStage::Three => {
+                let rows = self.check_units::<A, M>(model)?;
+                let units: HashSet<_> = unit_params(model).into_iter().collect();
+                let outside: Vec<_> = (dp::param_specs(model).into_iter())
+                    .filter(|spec| !units.contains(&spec.id))
+                    .collect();
+                Update::by_units(
+                    optimizer,
+                    FlatLayout::new(&outside, self.bucket_bytes),
+                    rows,
+                )
+            }
+            _ => return Err(StrategyError::OwnsItsOptimizer(stage)),
+        };
+        Ok(self.optimizer(update))
+    }
+
+    /// Whether `model` can run ZeRO 3 by units here; the elements this rank will hold of them.
+    fn check_units<A, M>(&self, model: &M) -> Result<usize, ShardError>
+    where
+        A: AutodiffBackend + CollectiveBackend,
+        M: AutodiffModule<A>,
+    {
+        let data = self.mesh.data();
+        if !A::recomputes_gathers() {
+            return Err(ShardError::KeepsGathers);
+        }
+        if data.size() > 1 && data.transport_name() == "local" {
+            return Err(ShardError::ThreadRanks(data.size()));
+        }
+        let units: HashSet<_> = unit_params(model).into_iter().collect();
+        if units.is_empty() {
+            return Err(ShardError::NoUnits);
+        }
+        let mut rows = 0;
+        for spec in dp::param_specs(model) {
+            if units.contains(&spec.id) {
+                let range = split_ranges(spec.shape[0], data.size())[data.rank()].clone();
+                rows += range.len() * spec.numel() / spec.shape[0].max(1);
+            }
+        }
+        Ok(rows)
     }
 
     fn optimizer<A: AutodiffBackend, O>(&self, update: Update<A, O>) -> ParallelOptimizer<A, O> {
@@ -218,7 +290,16 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
     fn follow<M: AutodiffModule<A>>(&self, module: &M) {
         let specs = dp::param_specs(module);
         let rebound = match &*self.update {
-            Update::Replicated { layout, .. } => {
+            Update::Replicated {
+                layout, unit_rows, ..
+            } => {
+                let units: HashSet<_> = match unit_rows {
+                    Some(_) => unit_params(module).into_iter().collect(),
+                    None => HashSet::new(),
+                };
+                let specs: Vec<_> = (specs.into_iter())
+                    .filter(|spec| !units.contains(&spec.id))
+                    .collect();
                 let mut layout = lock(layout);
                 match layout.matches(&specs) {
                     true => Ok(()),
@@ -258,8 +339,9 @@ where
     M: AutodiffModule<A>,
     O: Optimizer<M, A> + Clone,
 {
-    /// The inner optimizer's record (DDP) and this rank's moment shards (ZeRO).
-    type Record = (Option<O::Record>, Vec<ShardRecord<A>>);
+    /// The ZeRO stage that saved it, the inner optimizer's record (ZeRO 0 and 3) and this
+    /// rank's moment shards (ZeRO 1 and 2).
+    type Record = (usize, Option<O::Record>, Vec<ShardRecord<A>>);
 
     fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
         self.follow(&module);
@@ -277,8 +359,11 @@ where
     }
 
     fn to_record(&self) -> Self::Record {
+        let stage = usize::from(self.update.stage().level());
         match &*self.update {
-            Update::Replicated { optimizer, .. } => (Some(lock(optimizer).to_record()), vec![]),
+            Update::Replicated { optimizer, .. } => {
+                (stage, Some(lock(optimizer).to_record()), vec![])
+            }
             Update::Sharded(zero) => {
                 let shards = lock(zero)
                     .shard_moments()
@@ -302,13 +387,24 @@ where
                         }
                     })
                     .collect();
-                (None, shards)
+                (stage, None, shards)
             }
         }
     }
 
-    fn load_record(self, (replicated, shards): Self::Record) -> Self {
+    fn load_record(self, (saved, replicated, shards): Self::Record) -> Self {
         let stage = self.update.stage();
+        let saved = u8::try_from(saved).ok().and_then(ZeroStage::from_level);
+        let sharded_moments =
+            |s: Option<ZeroStage>| matches!(s, Some(ZeroStage::One | ZeroStage::Two));
+        if saved != Some(stage) && !(sharded_moments(saved) && sharded_moments(Some(stage))) {
+            panic!(
+                "loading the data-parallel optimizer: the checkpoint was saved under {}, but \
+                 this run is {stage}: resume under the stage that saved it (ZeRO 1 and 2 share \
+                 their records; the model itself resumes under any stage)",
+                saved.map_or_else(|| "an unknown ZeRO stage".to_string(), |s| s.to_string())
+            );
+        }
         match (&*self.update, replicated) {
             (Update::Replicated { optimizer, .. }, Some(record)) => {
                 let mut optimizer = lock(optimizer);
@@ -334,14 +430,9 @@ where
                     panic!("loading the data-parallel optimizer: {error}");
                 }
             }
-            (_, replicated) => panic!(
-                "loading the data-parallel optimizer: the checkpoint was saved {}, but this run \
-                 is {stage}: resume under the ZeRO stage that saved it (stages 1 and 2 share \
-                 their records)",
-                match replicated {
-                    Some(_) => "under DDP (ZeRO-0)",
-                    None => "under a sharded stage (ZeRO 1 or 2)",
-                }
+            (_, _) => panic!(
+                "loading the data-parallel optimizer under {stage}: the record does not hold \
+                 the state that stage keeps"
             ),
         }
         self
@@ -362,6 +453,7 @@ where
 impl<LC: LearningComponentsTypes> From<DataParallel> for TrainingStrategy<LC>
 where
     LC::Optimizer: SynchronizesGradients,
+    InnerBackend<LC>: CollectiveBackend,
 {
     fn from(strategy: DataParallel) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
@@ -396,9 +488,13 @@ impl MetricsRenderer for Silent {
     fn register_metric(&mut self, _definition: MetricDefinition) {}
 }
 
+/// The backend under `LC`'s autodiff backend.
+type InnerBackend<LC> = <<LC as LearningComponentsTypes>::Backend as AutodiffBackend>::InnerBackend;
+
 impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for DataParallel
 where
     LC::Optimizer: SynchronizesGradients,
+    InnerBackend<LC>: CollectiveBackend,
 {
     fn fit(
         &self,
@@ -410,7 +506,14 @@ where
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         let data = self.mesh.data();
         let leader = self.mesh.world().rank() == 0;
+        let by_units = self.mesh.dims().zero == ZeroStage::Three;
         identical_replicas(&mut learner, data);
+        if by_units {
+            let sharded = shard_units(learner.model(), data)
+                .unwrap_or_else(|e| panic!("data parallelism at start: {e}"));
+            load_model(&mut learner, sharded);
+        }
+        let scope = by_units.then(|| gather_units_within(data));
         let train = shard_loader(train, data);
         let mut processor = components.event_processor;
         let mut checkpointer = components.checkpointer;
@@ -424,19 +527,74 @@ where
                 &progress,
                 leader.then_some(&mut processor),
             );
-            if leader {
-                valid_epoch(&learner, &valid, &progress, &mut processor);
+            if leader || by_units {
+                valid_epoch(
+                    &learner,
+                    &valid,
+                    &progress,
+                    leader.then_some(&mut processor),
+                );
             }
             barrier(self.mesh.world(), "after validation");
             if let Some(checkpointer) = &mut checkpointer {
-                checkpointer.checkpoint(&learner, epoch, &components.event_store);
+                let units = by_units.then_some(data);
+                save(
+                    &mut learner,
+                    checkpointer,
+                    epoch,
+                    &components.event_store,
+                    units,
+                );
             }
             if interrupter.should_stop() {
                 break;
             }
         }
-        (learner.model(), processor)
+        drop(scope);
+        let model = match by_units {
+            true => whole_units(learner.model(), data),
+            false => learner.model(),
+        };
+        (model, processor)
     }
+}
+
+/// burn-train's checkpoint of `learner` after `epoch`. Under ZeRO 3 (`units`: the data-parallel
+/// group) the model is saved whole, and the learner goes on with its rows.
+fn save<LC>(
+    learner: &mut Learner<LC>,
+    checkpointer: &mut LearningCheckpointer<LC>,
+    epoch: usize,
+    events: &EventStoreClient,
+    units: Option<&ProcessGroup>,
+) where
+    LC: LearningComponentsTypes,
+    InnerBackend<LC>: CollectiveBackend,
+{
+    let Some(data) = units else {
+        return checkpointer.checkpoint(learner, epoch, events);
+    };
+    let rows = learner.model();
+    load_model(learner, whole_units(rows.clone(), data));
+    checkpointer.checkpoint(learner, epoch, events);
+    load_model(learner, rows);
+}
+
+/// The learner's model replaced by `model` (its record loaded: parameters become new graph
+/// leaves, under the autodiff lock).
+fn load_model<LC: LearningComponentsTypes>(learner: &mut Learner<LC>, model: TrainingModel<LC>) {
+    let _lock = graphs_lock();
+    learner.load_model(model.into_record());
+}
+
+/// `model` with its units' parameters whole (ZeRO 3), for a checkpoint or the trained model.
+fn whole_units<A, M>(model: M, data: &ProcessGroup) -> M
+where
+    A: AutodiffBackend,
+    A::InnerBackend: CollectiveBackend,
+    M: AutodiffModule<A>,
+{
+    gather_units(model, data).unwrap_or_else(|e| panic!("ZeRO 3, gathering the model: {e}"))
 }
 
 /// Waits for every rank of `group`; a failure panics (burn-train's `fit` cannot return one).
@@ -451,10 +609,7 @@ fn identical_replicas<LC: LearningComponentsTypes>(learner: &mut Learner<LC>, da
     let synced = broadcast_parameters(learner.model(), data)
         .and_then(|model| verify_replicas(&model, data).map(|()| model));
     match synced {
-        Ok(model) => {
-            let _lock = graphs_lock();
-            learner.load_model(model.into_record());
-        }
+        Ok(model) => load_model(learner, model),
         Err(error) => panic!("data parallelism at start: {error}"),
     }
 }
@@ -519,12 +674,12 @@ fn train_epoch<LC: LearningComponentsTypes>(
     }
 }
 
-/// Validation over the whole validation set.
+/// Validation over the whole validation set; `processor` (rank 0's) records it.
 fn valid_epoch<LC: LearningComponentsTypes>(
     learner: &Learner<LC>,
     loader: &ValidLoader<LC>,
     epoch: &Progress,
-    processor: &mut SupervisedTrainingEventProcessor<LC>,
+    mut processor: Option<&mut SupervisedTrainingEventProcessor<LC>>,
 ) {
     let model = learner.model().valid();
     let mut items = loader.iter();
@@ -532,14 +687,18 @@ fn valid_epoch<LC: LearningComponentsTypes>(
     while let Some(item) = items.next() {
         iteration += 1;
         let output = model.step(item);
-        let item = TrainingItem::new(
-            output,
-            items.progress(),
-            epoch.clone(),
-            Some(iteration),
-            None,
-        );
-        processor.process_valid(LearnerEvent::ProcessedItem(item));
+        if let Some(processor) = processor.as_deref_mut() {
+            let item = TrainingItem::new(
+                output,
+                items.progress(),
+                epoch.clone(),
+                Some(iteration),
+                None,
+            );
+            processor.process_valid(LearnerEvent::ProcessedItem(item));
+        }
     }
-    processor.process_valid(LearnerEvent::EndEpoch(epoch.items_processed));
+    if let Some(processor) = processor {
+        processor.process_valid(LearnerEvent::EndEpoch(epoch.items_processed));
+    }
 }

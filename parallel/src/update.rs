@@ -8,6 +8,9 @@
 //! ZeRO 1 / 2     all-reduce / reduce-scatter in buckets → owned parts → AdamW on the owned
 //!                parts → all-gather the updated parameters
 //! ZeRO 3         (the step reduce-scattered already) → AdamW on the owned parts, kept sharded
+//! ZeRO 3 by      the parameters inside `ShardedUnit`s are this rank's rows, their gradients
+//!   units        reduce-scattered by the backward pass; the others all-reduced as DDP's → the
+//!                caller's Burn optimizer (any), per tensor
 //! ```
 //!
 //! The norm is that of the full gradient in every mode: replicated gradients are summed over
@@ -15,6 +18,7 @@
 //! parameter once: the caller names the parameters another rank of the replica counts), owned
 //! parts over every rank.
 
+use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
 
 use burn::module::{AutodiffModule, ParamId};
@@ -22,9 +26,9 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, ReduceOp};
 
-use crate::clip::{grad_sum_of_squares, scale_grads, unscale_and_clip};
+use crate::clip::{grad_sum_of_squares_where, scale_grads, unscale_and_clip};
 use crate::dp::{self, FlatLayout, ReduceStats, SetParams};
-use crate::fsdp::{StateBytes, ZeroError, ZeroOptimizer, ZeroStage};
+use crate::fsdp::{StateBytes, ZeroError, ZeroOptimizer, ZeroStage, unit_params};
 use crate::mesh::Mesh;
 use crate::pp::graphs_lock;
 use crate::precision::unscaled_norm;
@@ -120,12 +124,17 @@ pub fn group_sum(group: &ProcessGroup, value: f64) -> Result<f64, CommError> {
 }
 
 /// The data-parallel update of a module `M` on autodiff backend `A`: DDP with any Burn
-/// optimizer `O`, or ZeRO 1–3's sharded AdamW.
+/// optimizer `O`, ZeRO 3 by units with it, or ZeRO 1–3's sharded AdamW.
 pub enum Update<A: AutodiffBackend, O> {
-    /// ZeRO 0: every replica holds everything; `layout` gives the all-reduce's buckets.
+    /// The Burn optimizer steps every parameter the model holds; `layout` gives the
+    /// all-reduce's buckets. ZeRO 0: every replica holds everything. ZeRO 3 by units
+    /// (`unit_rows` is the number of elements this rank holds of them): the parameters inside
+    /// `ShardedUnit`s are this rank's rows, left out of `layout`; their gradients arrive
+    /// reduce-scattered by the backward pass.
     Replicated {
         optimizer: Mutex<O>,
         layout: Mutex<FlatLayout>,
+        unit_rows: Option<usize>,
     },
     /// ZeRO 1–3.
     Sharded(Mutex<ZeroOptimizer<A::InnerBackend>>),
@@ -154,6 +163,17 @@ impl<A: AutodiffBackend, O> Update<A, O> {
         Self::Replicated {
             optimizer: Mutex::new(optimizer),
             layout: Mutex::new(layout),
+            unit_rows: None,
+        }
+    }
+
+    /// ZeRO 3 by units with `optimizer`: `layout` holds the parameters outside the units, and
+    /// this rank holds `unit_rows` elements of those inside.
+    pub fn by_units(optimizer: O, layout: FlatLayout, unit_rows: usize) -> Self {
+        Self::Replicated {
+            optimizer: Mutex::new(optimizer),
+            layout: Mutex::new(layout),
+            unit_rows: Some(unit_rows),
         }
     }
 
@@ -165,7 +185,10 @@ impl<A: AutodiffBackend, O> Update<A, O> {
     /// The ZeRO stage.
     pub fn stage(&self) -> ZeroStage {
         match self {
-            Self::Replicated { .. } => ZeroStage::Zero0,
+            Self::Replicated {
+                unit_rows: None, ..
+            } => ZeroStage::Zero0,
+            Self::Replicated { .. } => ZeroStage::Three,
             Self::Sharded(zero) => lock(zero).stage(),
         }
     }
@@ -186,12 +209,15 @@ impl<A: AutodiffBackend, O> Update<A, O> {
         }
     }
 
-    /// Bytes this rank holds for its model state (f32): under ZeRO 0 the whole parameters,
-    /// gradients and two AdamW moments (what Burn's AdamW keeps; other optimizers differ).
+    /// Bytes this rank holds for its model state (f32): with the Burn optimizer, the
+    /// parameters it holds (ZeRO 0: all; by units: its rows of theirs), their gradients and two
+    /// AdamW moments (what Burn's AdamW keeps; other optimizers differ).
     pub fn state_bytes(&self) -> StateBytes {
         match self {
-            Self::Replicated { layout, .. } => {
-                let bytes = 4 * lock(layout).numel();
+            Self::Replicated {
+                layout, unit_rows, ..
+            } => {
+                let bytes = 4 * (lock(layout).numel() + unit_rows.unwrap_or(0));
                 StateBytes {
                     params: bytes,
                     grads: bytes,
@@ -230,12 +256,31 @@ impl<A: AutodiffBackend, O> Update<A, O> {
             counted_elsewhere,
         } = options;
         match self {
-            Self::Replicated { optimizer, layout } => {
+            Self::Replicated {
+                optimizer,
+                layout,
+                unit_rows,
+            } => {
                 let device = inner_device(&model);
                 let (mut grads, reduce) =
                     dp::all_reduce_gradients(groups.data, &lock(layout), &model, grads, &device)?;
-                let squares = grad_sum_of_squares(&model, &grads, counted_elsewhere);
-                let scaled_norm = group_sum(groups.replica, squares)?.sqrt();
+                let units: HashSet<ParamId> = match unit_rows {
+                    Some(_) => unit_params(&model).into_iter().collect(),
+                    None => HashSet::new(),
+                };
+                let counted = |id| !counted_elsewhere.contains(&id);
+                let whole = grad_sum_of_squares_where(&model, &grads, |id| {
+                    counted(id) && !units.contains(&id)
+                });
+                let mut squares = group_sum(groups.replica, whole)?;
+                if unit_rows.is_some() {
+                    // Each rank holds its own rows of the units' gradients.
+                    let rows = grad_sum_of_squares_where(&model, &grads, |id| {
+                        counted(id) && units.contains(&id)
+                    });
+                    squares += group_sum(groups.world, rows)?;
+                }
+                let scaled_norm = squares.sqrt();
                 let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
                     return Ok((model, UpdateStats::skipped(reduce)));
                 };

@@ -4,6 +4,12 @@
 //! One test binary for the crate, its files as modules: every integration-test binary links Burn,
 //! wgpu and CubeCL again.
 
+use wildfire_backend::alloc::CountingAlloc;
+
+/// Counts only where a test enables it (the memory runs of the data-parallel example).
+#[global_allocator]
+static HEAP: CountingAlloc = CountingAlloc::new();
+
 mod collectives;
 mod data_parallel_example;
 mod decorator;

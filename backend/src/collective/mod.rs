@@ -16,6 +16,7 @@
 //! | [`gather_from_parallel_region`] | `concat_q x_q` along `dim` | part r of `g_r` |
 //! | [`reduce_scatter_to_sequence_region`] | part r of `Σ_q x_q` | `concat_q g_q` (all-gather) |
 //! | [`all_gather_from_sequence_region`] | `concat_q x_q` | part r of `Σ_q g_q` (reduce-scatter) |
+//! | [`all_gather_recomputed`] | `concat_q x_q`, gathered again going back | part r of `Σ_q g_q` |
 //!
 //! Each backward is the adjoint of its forward: `Σ_r ⟨F(x)_r, y_r⟩ = Σ_r ⟨x_r, Fᵀ(y)_r⟩`.
 //! The f/g pairs differ from the plain collectives only in which side communicates: `f` is free
@@ -121,6 +122,35 @@ pub trait CollectiveBackend: Backend {
             Mapping::AllGather(dim),
             Some(Mapping::ReduceScatter(dim)),
         )
+    }
+
+    /// All-gather along `dim` whose output the backward pass does not keep: a node that needs
+    /// it gathers it again (ZeRO 3's parameters, whole only while they are used). The
+    /// derivative is [`Self::comm_all_gather`]'s. Only an autodiff backend whose checkpointing
+    /// recomputes memory-bound nodes drops the output (see [`Self::recomputes_gathers`]).
+    ///
+    /// `after` places the node in the backward pass, and gets no gradient from it. Burn runs a
+    /// backward pass by depth, deepest first, and a node is one deeper than its deepest parent:
+    /// a gather of a parameter (a leaf, depth 0) alone would be among the last nodes run, so
+    /// every gathered gradient would wait, whole, for the end of the pass. With the input of
+    /// the layer that uses the parameter as `after`, the gradient is reduce-scattered as soon
+    /// as the backward pass is back at that layer.
+    fn comm_all_gather_recomputed(
+        tensor: FloatTensor<Self>,
+        group: &ProcessGroup,
+        dim: usize,
+        after: &FloatTensor<Self>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let _ = after;
+        Self::comm_all_gather(tensor, group, dim)
+    }
+
+    /// Whether [`Self::comm_all_gather_recomputed`]'s outputs are dropped after the forward
+    /// pass and gathered again going back: true without autodiff (nothing is kept) and under
+    /// Burn's `BalancedCheckpointing`, false under `NoCheckpointing` (`Autodiff<B>`'s default),
+    /// which keeps every output its backward needs.
+    fn recomputes_gathers() -> bool {
+        true
     }
 
     /// Reduce-scatter (sum) along `dim`, with its true derivative (all-gather of the gradient).
@@ -359,6 +389,19 @@ pub fn reduce_scatter_to_sequence_region<B: CollectiveBackend, const D: usize>(
         Mapping::ReduceScatter(dim),
         Mapping::AllGather(dim),
     )
+}
+
+/// All-gather along `dim` forward, gathered again instead of kept for the backward pass, and
+/// reduce-scattered (sum) going back once the backward pass is back at `after` (see
+/// [`CollectiveBackend::comm_all_gather_recomputed`]).
+pub fn all_gather_recomputed<B: CollectiveBackend, const D: usize, const E: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    dim: usize,
+    after: &Tensor<B, E>,
+) -> Result<Tensor<B, D>, CommError> {
+    let after = primitive(after.clone());
+    B::comm_all_gather_recomputed(primitive(x), group, dim, &after).map(tensor)
 }
 
 /// Sequence parallelism: all-gather along `dim` forward; reduce-scatter (sum) backward.

@@ -6,6 +6,7 @@
 //! target/release/mlp-classifier                                   # one process
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --zero 2
+//! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --zero 3
 //! ```
 //!
 //! Every rank starts from rank 0's parameters (ranks seed differently here to show it), trains
@@ -14,19 +15,26 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use clap::Parser;
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{LaunchEnv, LaunchFlags};
-use wildfire_examples::mlp::{Run, train};
+use wildfire_examples::mlp::{Run, Shape, StepLog, train};
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::{DataParallel, ParallelDims};
 
 #[derive(Debug, Parser)]
 struct Args {
-    /// ZeRO stage: 0 (DDP), 1 or 2.
+    /// ZeRO stage: 0 (DDP), 1, 2 or 3 (the hidden blocks sharded).
     #[arg(long, default_value_t = 0)]
     zero: u8,
+    /// Units per hidden layer.
+    #[arg(long, default_value_t = 32)]
+    width: usize,
+    /// Hidden blocks (ZeRO 3's units).
+    #[arg(long, default_value_t = 2)]
+    blocks: usize,
     /// burn-train's artifact directory.
     #[arg(long, default_value = "runs/mlp-classifier")]
     dir: PathBuf,
@@ -64,8 +72,13 @@ fn main() -> anyhow::Result<()> {
         seed: 1000 + rank as u64,
         lr: args.lr,
         serial_for_ranks: None,
+        shape: Shape {
+            width: args.width,
+            blocks: args.blocks,
+        },
+        log: StepLog::default(),
     };
-    let outcome = train::<Autodiff<Parallel<Flex>>>(strategy, &run);
+    let outcome = train::<Autodiff<Parallel<Flex>, BalancedCheckpointing>>(strategy, &run)?;
     if let Some(report) = args.report {
         let path = report.with_extension(format!("rank-{rank}.json"));
         std::fs::write(&path, serde_json::to_string(&outcome)?)

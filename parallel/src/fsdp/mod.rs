@@ -23,6 +23,11 @@
 //! it is elementwise the same arithmetic as per-tensor AdamW: a sharded step equals a replicated
 //! one bitwise when the gradients are equal. A bucket holds matrices or vectors only, so one weight decay applies.
 //!
+//! Two ways to run stage 3: [`run_sharded_step`] drives a model cut into pipeline-style units
+//! itself (the recipe's GPT), and [`ShardedUnit`] lets a model run by Burn's own training loop
+//! gather its parts in their forward (burn-train's `DataParallel` strategy); there the model
+//! holds its rows and a Burn optimizer steps them.
+//!
 //! **Offload** keeps the owned master parameters and moments in host memory (Burn's `Flex`
 //! backend) and runs the update there, as DeepSpeed's ZeRO-Offload does: on a GPU this frees
 //! the moments' `8 bytes / p` per parameter of device memory (and under stage 3 the owned
@@ -43,9 +48,14 @@ use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::dp::{self, FlatLayout, FlatTensors, ReduceStats};
 
+mod sharded_unit;
 mod state;
 mod units;
 
+pub use sharded_unit::{
+    GatherScope, ShardError, ShardedUnit, gather_units, gather_units_within, shard_units,
+    unit_params,
+};
 pub use state::{FullMoments, Piece, ShardMoments, StateBytes};
 pub use units::{Placeholders, ShardedStep, run_sharded_forward, run_sharded_step};
 
