@@ -5,6 +5,9 @@
 //!   the launch fails naming the rank and its exit status or signal.
 //! - With `max_restarts`, the whole group is started again (ranks resume from their last
 //!   checkpoint); `WILDFIRE_RESTART_COUNT` tells them which attempt they are.
+//! - Every rank gets the job's secret (`WILDFIRE_JOB_TOKEN`, see `comm::auth`): the launcher's
+//!   own when it has one (every launcher of a multi-node job must, or it fails at once), else a
+//!   new one for a single-node job.
 //! - No process outlives the launcher: each rank runs in its own process group, which is killed
 //!   on the way out, and the kernel kills a rank whose launcher dies (`PR_SET_PDEATHSIG`).
 
@@ -19,6 +22,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::comm::DEFAULT_MASTER_PORT;
+use crate::comm::auth::{JOB_TOKEN_ENV, JobToken};
 
 /// How to launch a job on this node.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,17 +167,34 @@ struct Exit {
 /// Runs the job; returns once every rank exited successfully, or with the first failure.
 pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
     config.validate()?;
+    let token = job_token(config)?;
     let previous = install_signal_handlers();
-    let result = run_attempts(config);
+    let result = run_attempts(config, &token);
     restore_signal_handlers(previous);
     result
 }
 
-fn run_attempts(config: &LaunchConfig) -> Result<(), LaunchError> {
+/// The secret the ranks get: this launcher's [`JOB_TOKEN_ENV`], or a new one for a job of one
+/// node (a job of several needs the same one on every node).
+fn job_token(config: &LaunchConfig) -> Result<String, LaunchError> {
+    match std::env::var(JOB_TOKEN_ENV).ok().filter(|t| !t.is_empty()) {
+        Some(token) => Ok(token),
+        None if config.nnodes > 1 => Err(LaunchError::Invalid(format!(
+            "a job of {} nodes needs a secret that every launcher shares: set {JOB_TOKEN_ENV} \
+             to the same value on every node (e.g. export {JOB_TOKEN_ENV}=$(openssl rand -hex \
+             32))",
+            config.nnodes
+        ))),
+        None => JobToken::generate()
+            .map_err(|e| LaunchError::Invalid(format!("cannot generate the job's secret: {e}"))),
+    }
+}
+
+fn run_attempts(config: &LaunchConfig, token: &str) -> Result<(), LaunchError> {
     let mut attempt = 0;
     loop {
         let (exit_tx, exit_rx) = mpsc::channel();
-        let mut ranks = spawn_all(config, attempt, &exit_tx)?;
+        let mut ranks = spawn_all(config, attempt, token, &exit_tx)?;
         let outcome = supervise(&ranks, &exit_rx);
         stop_all(&mut ranks, config.grace);
         match outcome {
@@ -217,12 +238,13 @@ enum Outcome {
 fn spawn_all(
     config: &LaunchConfig,
     attempt: usize,
+    token: &str,
     exits: &mpsc::Sender<Exit>,
 ) -> Result<Vec<Rank>, LaunchError> {
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
     for local_rank in 0..config.nproc_per_node {
         let rank = config.node_rank * config.nproc_per_node + local_rank;
-        match spawn_rank(config, rank, local_rank, attempt, exits) {
+        match spawn_rank(config, rank, local_rank, attempt, token, exits) {
             Ok(r) => ranks.push(r),
             Err(e) => {
                 stop_all(&mut ranks, config.grace);
@@ -238,6 +260,7 @@ fn spawn_rank(
     rank: usize,
     local_rank: usize,
     attempt: usize,
+    token: &str,
     exits: &mpsc::Sender<Exit>,
 ) -> Result<Rank, LaunchError> {
     let mut command = Command::new(&config.command[0]);
@@ -252,6 +275,7 @@ fn spawn_rank(
         .env("MASTER_PORT", config.master_port.to_string())
         .env("WILDFIRE_RESTART_COUNT", attempt.to_string())
         .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
+        .env(JOB_TOKEN_ENV, token)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -16,6 +16,7 @@
 //! ([`CommOptions::timeout`], `WILDFIRE_COMM_TIMEOUT`).
 
 mod algorithms;
+pub mod auth;
 mod buffer;
 mod element;
 mod env;
@@ -64,6 +65,6 @@ pub use group::{
 };
 pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
-pub use store::{StoreClient, StoreServer};
+pub use store::{MAX_STORE_CONNECTIONS, StoreClient, StoreServer};
 pub(crate) use tensor::{AllGather, AllReduce, Broadcast, DeviceOp, ReduceScatter, run_on_data};
-pub use transport::tcp::ADVERTISE_ENV;
+pub use transport::tcp::{ADVERTISE_ENV, BIND_ENV};

@@ -318,6 +318,19 @@ pub fn share_unique_id(
 mod tests {
     use super::*;
     use crate::comm::StoreServer;
+    use crate::comm::auth::JobToken;
+
+    const LOOPBACK: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    fn connect(port: u16) -> StoreClient {
+        StoreClient::connect(
+            "127.0.0.1",
+            port,
+            Duration::from_secs(10),
+            &JobToken::default(),
+        )
+        .unwrap()
+    }
 
     #[test]
     fn a_missing_library_is_an_error_naming_every_candidate() {
@@ -344,7 +357,7 @@ mod tests {
 
     #[test]
     fn unique_id_travels_through_the_store() {
-        let server = StoreServer::start(0).unwrap();
+        let server = StoreServer::start(LOOPBACK, 0, JobToken::default()).unwrap();
         let port = server.local_addr().port();
         let made = UniqueId {
             internal: std::array::from_fn(|i| (i as u8).wrapping_mul(7) as c_char),
@@ -352,8 +365,7 @@ mod tests {
         let ranks: Vec<_> = (0..3)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    let store =
-                        StoreClient::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                    let store = connect(port);
                     share_unique_id(&store, "world", rank, Duration::from_secs(10), || Ok(made))
                 })
             })
@@ -361,7 +373,7 @@ mod tests {
         for handle in ranks {
             assert_eq!(handle.join().unwrap().unwrap(), made);
         }
-        let store = StoreClient::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+        let store = connect(port);
         let err = share_unique_id(
             &store,
             "tp-0",

@@ -8,11 +8,17 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::auth::{HANDSHAKE_TIMEOUT, JobToken, accept_handshake, connect_handshake, refused};
 use super::error::CommError;
+
+/// Most store connections served at once; more are dropped as they arrive (a job needs one
+/// per rank).
+pub const MAX_STORE_CONNECTIONS: usize = 1024;
 
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
@@ -93,17 +99,24 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Binds `0.0.0.0:port` and serves until the process exits.
-    pub fn start(port: u16) -> Result<Self, CommError> {
-        let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+    /// Binds `ip:port` and serves until the process exits. Every connection must pass the
+    /// handshake with `token` first; one that does not, or does not finish it within
+    /// [`HANDSHAKE_TIMEOUT`], is dropped and logged, and the store goes on.
+    pub fn start(ip: IpAddr, port: u16, token: JobToken) -> Result<Self, CommError> {
+        let listener = TcpListener::bind((ip, port)).map_err(|e| {
             if e.kind() == io::ErrorKind::AddrInUse {
                 CommError::Rendezvous(format!(
                     "rendezvous port {port} is already in use on this host: another job or \
                      process holds it; pick a free one with --master-port or MASTER_PORT"
                 ))
+            } else if e.kind() == io::ErrorKind::AddrNotAvailable {
+                CommError::Rendezvous(format!(
+                    "cannot serve the rendezvous store on {ip}: it is not an address of this host \
+                     (MASTER_ADDR must name rank 0's host; or set WILDFIRE_BIND)"
+                ))
             } else {
                 CommError::Rendezvous(format!(
-                    "cannot serve the rendezvous store on port {port}: {e}"
+                    "cannot serve the rendezvous store on {ip} port {port}: {e}"
                 ))
             }
         })?;
@@ -111,14 +124,31 @@ impl StoreServer {
             .local_addr()
             .map_err(|e| CommError::io("reading the store's address", e))?;
         let table = Arc::new(Table::default());
+        let token = Arc::new(token);
+        let open = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("wildfire-store".into())
             .spawn(move || {
-                for stream in listener.incoming().flatten() {
-                    let table = table.clone();
-                    let _ = std::thread::Builder::new()
+                for mut stream in listener.incoming().flatten() {
+                    let from = stream.peer_addr().ok();
+                    if open.fetch_add(1, Ordering::SeqCst) >= MAX_STORE_CONNECTIONS {
+                        open.fetch_sub(1, Ordering::SeqCst);
+                        log_refusal(from, "too many open connections");
+                        continue;
+                    }
+                    let (table, token, closing) = (table.clone(), token.clone(), open.clone());
+                    let served = std::thread::Builder::new()
                         .name("wildfire-store-client".into())
-                        .spawn(move || serve_client(stream, &table));
+                        .spawn(move || {
+                            match accept_handshake(&mut stream, &token, HANDSHAKE_TIMEOUT) {
+                                Ok(()) => serve_client(stream, &table),
+                                Err(error) => log_refusal(from, &error.to_string()),
+                            }
+                            closing.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if served.is_err() {
+                        open.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })
             .map_err(|e| CommError::io("starting the store thread", e))?;
@@ -129,6 +159,12 @@ impl StoreServer {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+}
+
+/// Says on stderr that a connection from `from` was dropped, and why (the job goes on).
+pub(crate) fn log_refusal(from: Option<SocketAddr>, why: &str) {
+    let from = from.map_or_else(|| "an unknown address".to_string(), |a| a.to_string());
+    eprintln!("wildfire: refused a connection from {from}: {why}");
 }
 
 fn serve_client(mut stream: TcpStream, table: &Table) {
@@ -205,8 +241,14 @@ pub struct StoreClient {
 }
 
 impl StoreClient {
-    /// Connects to `host:port`, retrying until the timeout passes (rank 0 may still be starting).
-    pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self, CommError> {
+    /// Connects to `host:port`, retrying until the timeout passes (rank 0 may still be starting),
+    /// and passes the handshake with `token`.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        token: &JobToken,
+    ) -> Result<Self, CommError> {
         let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
         let targets: Vec<SocketAddr> = (host, port)
@@ -223,7 +265,9 @@ impl StoreClient {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let attempt = left.clamp(Duration::from_millis(10), Duration::from_secs(2));
                 match TcpStream::connect_timeout(target, attempt) {
-                    Ok(stream) => {
+                    Ok(mut stream) => {
+                        connect_handshake(&mut stream, token, HANDSHAKE_TIMEOUT)
+                            .map_err(|e| refused(&format!("the rendezvous store at {addr}"), e))?;
                         // Blocking requests wait at most `timeout` on the server: a reply that
                         // takes much longer means the store's host is gone.
                         let reply_limit = timeout.saturating_add(Duration::from_secs(30));
@@ -422,13 +466,17 @@ fn read_string(r: &mut impl Read) -> io::Result<String> {
 mod tests {
     use super::*;
 
+    const LOOPBACK: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
     #[test]
     fn set_get_add_wait_and_barrier() {
-        let server = StoreServer::start(0).expect("start");
+        let server = StoreServer::start(LOOPBACK, 0, JobToken::default()).expect("start");
         let port = server.local_addr().port();
         let timeout = Duration::from_secs(5);
-        let a = StoreClient::connect("127.0.0.1", port, timeout).expect("connect");
-        let b = StoreClient::connect("127.0.0.1", port, timeout).expect("connect");
+        let a = StoreClient::connect("127.0.0.1", port, timeout, &JobToken::default())
+            .expect("connect");
+        let b = StoreClient::connect("127.0.0.1", port, timeout, &JobToken::default())
+            .expect("connect");
         let waiter = std::thread::spawn(move || {
             b.wait(&["k", "k2"]).expect("wait");
             b.get("k").expect("get")
@@ -441,7 +489,10 @@ mod tests {
         assert_eq!(a.add("c", 3).expect("add"), 5);
         assert!(a.wait_at_least("c", 5).expect("wait"));
         let clients: Vec<_> = (0..3)
-            .map(|_| StoreClient::connect("127.0.0.1", port, timeout).expect("connect"))
+            .map(|_| {
+                StoreClient::connect("127.0.0.1", port, timeout, &JobToken::default())
+                    .expect("connect")
+            })
             .collect();
         let handles: Vec<_> = clients
             .into_iter()
@@ -454,9 +505,15 @@ mod tests {
 
     #[test]
     fn get_times_out_and_counter_misuse_is_an_error() {
-        let server = StoreServer::start(0).expect("start");
+        let server = StoreServer::start(LOOPBACK, 0, JobToken::default()).expect("start");
         let port = server.local_addr().port();
-        let c = StoreClient::connect("127.0.0.1", port, Duration::from_millis(100)).expect("c");
+        let c = StoreClient::connect(
+            "127.0.0.1",
+            port,
+            Duration::from_millis(100),
+            &JobToken::default(),
+        )
+        .expect("c");
         assert_eq!(c.get("never").expect("get"), None);
         let err = c.wait(&["never", "nor-this"]).expect_err("unset keys");
         assert!(
@@ -472,7 +529,8 @@ mod tests {
     fn port_in_use_and_unreachable_store_name_the_address() {
         let taken = TcpListener::bind(("0.0.0.0", 0)).expect("bind");
         let port = taken.local_addr().expect("addr").port();
-        let err = StoreServer::start(port).expect_err("in use");
+        let err = StoreServer::start(IpAddr::from([0, 0, 0, 0]), port, JobToken::default())
+            .expect_err("in use");
         assert!(
             err.to_string()
                 .contains(&format!("port {port} is already in use")),
@@ -483,15 +541,55 @@ mod tests {
         let port = free.local_addr().expect("addr").port();
         drop(free);
         let start = Instant::now();
-        let err = StoreClient::connect("127.0.0.1", port, Duration::from_millis(300))
-            .expect_err("nobody listens");
+        let err = StoreClient::connect(
+            "127.0.0.1",
+            port,
+            Duration::from_millis(300),
+            &JobToken::default(),
+        )
+        .expect_err("nobody listens");
         assert!(start.elapsed() < Duration::from_secs(3));
         assert!(
             err.to_string().contains(&format!("127.0.0.1:{port}")),
             "{err}"
         );
-        let err = StoreClient::connect("no-such-host.invalid", 1, Duration::from_millis(100))
-            .expect_err("unresolvable");
+        let err = StoreClient::connect(
+            "no-such-host.invalid",
+            1,
+            Duration::from_millis(100),
+            &JobToken::default(),
+        )
+        .expect_err("unresolvable");
         assert!(err.to_string().contains("no-such-host.invalid"), "{err}");
+        // 192.0.2.1 (TEST-NET-1) is no address of this host.
+        let err = StoreServer::start(IpAddr::from([192, 0, 2, 1]), 0, JobToken::default())
+            .expect_err("not local");
+        assert!(
+            err.to_string().contains("not an address of this host"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn clients_without_the_secret_garbage_and_idle_ones_do_not_stop_the_store() {
+        let secret = JobToken::new("the job's secret");
+        let server = StoreServer::start(LOOPBACK, 0, secret.clone()).expect("start");
+        let port = server.local_addr().port();
+        let timeout = Duration::from_secs(5);
+        let idle = TcpStream::connect(("127.0.0.1", port)).expect("idle");
+        let mut garbage = TcpStream::connect(("127.0.0.1", port)).expect("garbage");
+        garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").expect("write");
+        for wrong in [JobToken::new("a guess"), JobToken::default()] {
+            let err =
+                StoreClient::connect("127.0.0.1", port, timeout, &wrong).expect_err("refused");
+            assert!(
+                err.to_string().contains("refused this rank's handshake"),
+                "{err}"
+            );
+        }
+        let good = StoreClient::connect("127.0.0.1", port, timeout, &secret).expect("connect");
+        good.set("k", b"v").expect("set");
+        assert_eq!(good.get("k").expect("get").as_deref(), Some(&b"v"[..]));
+        drop((idle, garbage));
     }
 }

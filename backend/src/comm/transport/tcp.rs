@@ -18,11 +18,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Transport;
+use crate::comm::auth::{
+    HANDSHAKE_TIMEOUT, JobToken, accept_handshake, connect_handshake, refused,
+};
 use crate::comm::buffer::Payload;
 use crate::comm::element::{WireDType, with_elem_type};
 use crate::comm::error::CommError;
 use crate::comm::mailbox::{Channel, Descriptor, Key, Mailbox, Message, OpKind};
-use crate::comm::store::StoreClient;
+use crate::comm::store::{StoreClient, log_refusal};
 
 const FRAME_MAGIC: u32 = 0x5746_4d31; // "WFM1"
 const HELLO_MAGIC: u32 = 0x5746_4831; // "WFH1"
@@ -45,37 +48,34 @@ pub(crate) struct TcpTransport {
 
 impl TcpTransport {
     /// Connects this rank to every other rank, using `store` to exchange addresses.
+    /// Every connection passes the handshake with `token` before its first byte of data.
     pub(crate) fn connect(
         rank: usize,
         world_size: usize,
         local_world_size: usize,
         store: &StoreClient,
         timeout: Duration,
+        token: &JobToken,
     ) -> Result<Self, CommError> {
         let deadline = Instant::now() + timeout;
-        let listener = TcpListener::bind(("0.0.0.0", 0))
-            .map_err(|e| CommError::io("binding this rank's listener", e))?;
+        let ip = advertised_ip(store, world_size, local_world_size)?;
+        let bind = bind_ip()?.unwrap_or(ip);
+        let listener = TcpListener::bind((bind, 0))
+            .map_err(|e| CommError::io(format!("binding this rank's listener on {bind}"), e))?;
         let port = listener
             .local_addr()
             .map_err(|e| CommError::io("reading this rank's listener address", e))?
             .port();
-        let ip = advertised_ip(store, world_size, local_world_size)?;
         store.set(&peer_key(rank), format!("{ip}:{port}").as_bytes())?;
         wait_for_everyone(store, world_size, timeout)?;
 
         let mailbox = Arc::new(Mailbox::default());
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-            let stream = dial(store, rank, world_size, peer, deadline)?;
+            let stream = dial(store, rank, world_size, peer, deadline, token)?;
             *slot = Some(start_peer(stream, rank, peer, &mailbox)?);
         }
-        for _ in rank + 1..world_size {
-            let (stream, peer) = accept(&listener, world_size, deadline)?;
-            if peer <= rank || peers[peer].is_some() {
-                return Err(CommError::Rendezvous(format!(
-                    "rank {rank} got an unexpected connection claiming to be rank {peer}"
-                )));
-            }
+        for (stream, peer) in accept_higher_ranks(&listener, rank, world_size, token, deadline)? {
             peers[peer] = Some(start_peer(stream, rank, peer, &mailbox)?);
         }
         Ok(Self {
@@ -90,6 +90,22 @@ impl TcpTransport {
 /// Environment variable: the address this rank publishes for its peers (default: the local
 /// address of its connection to the store).
 pub const ADVERTISE_ENV: &str = "WILDFIRE_ADVERTISE_ADDR";
+
+/// Environment variable: the address the store (rank 0) and every rank's listener bind, instead
+/// of `MASTER_ADDR`'s and the advertised one; `0.0.0.0` binds every interface.
+pub const BIND_ENV: &str = "WILDFIRE_BIND";
+
+/// The address in [`BIND_ENV`], if set.
+pub(crate) fn bind_ip() -> Result<Option<std::net::IpAddr>, CommError> {
+    let Ok(value) = std::env::var(BIND_ENV) else {
+        return Ok(None);
+    };
+    value
+        .trim()
+        .parse()
+        .map(Some)
+        .map_err(|_| CommError::Rendezvous(format!("{BIND_ENV}={value:?} is not an IP address")))
+}
 
 /// The address peers should dial. A loopback address is refused when the job spans hosts (an
 /// /etc/hosts entry mapping the host name to 127.0.1.1 is the usual cause).
@@ -146,6 +162,7 @@ fn dial(
     world_size: usize,
     peer: usize,
     deadline: Instant,
+    token: &JobToken,
 ) -> Result<TcpStream, CommError> {
     let addr = store
         .get(&peer_key(peer))?
@@ -162,6 +179,8 @@ fn dial(
         .max(Duration::from_millis(100));
     let mut stream =
         TcpStream::connect_timeout(&target, left).map_err(|e| unreachable(e.to_string()))?;
+    connect_handshake(&mut stream, token, HANDSHAKE_TIMEOUT)
+        .map_err(|e| refused(&format!("rank {peer} at {addr}"), e))?;
     let mut hello = HELLO_MAGIC.to_le_bytes().to_vec();
     hello.extend_from_slice(&(rank as u64).to_le_bytes());
     hello.extend_from_slice(&(world_size as u64).to_le_bytes());
@@ -171,51 +190,87 @@ fn dial(
     Ok(stream)
 }
 
-fn accept(
+/// Accepts until every rank above `rank` has connected. Each connection passes the handshake
+/// and says which rank it is on a thread of its own, so an idle or hostile one cannot hold up
+/// the others; one that fails either, or claims a rank that is not a higher one still missing,
+/// is logged and dropped, and the rendezvous goes on.
+fn accept_higher_ranks(
     listener: &TcpListener,
+    rank: usize,
     world_size: usize,
+    token: &JobToken,
     deadline: Instant,
-) -> Result<(TcpStream, usize), CommError> {
+) -> Result<Vec<(TcpStream, usize)>, CommError> {
     listener
         .set_nonblocking(true)
         .map_err(|e| CommError::io("configuring the listener", e))?;
-    loop {
+    let (greeted, greetings) = mpsc::channel();
+    let mut peers: Vec<(TcpStream, usize)> = Vec::new();
+    while peers.len() < world_size - rank - 1 {
         match listener.accept() {
-            Ok((mut stream, from)) => {
-                stream
-                    .set_nonblocking(false)
-                    .and_then(|()| stream.set_read_timeout(Some(Duration::from_secs(10))))
-                    .map_err(|e| CommError::io("configuring a peer connection", e))?;
-                let mut hello = [0u8; 20];
-                stream
-                    .read_exact(&mut hello)
-                    .map_err(|e| CommError::io(format!("reading the greeting from {from}"), e))?;
-                let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap_or_default());
-                let peer = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default()) as usize;
-                let their_world =
-                    u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default()) as usize;
-                if magic != HELLO_MAGIC || their_world != world_size || peer >= world_size {
-                    return Err(CommError::Rendezvous(format!(
-                        "connection from {from} is not a rank of this job (rank {peer}, world size \
-                         {their_world}, expected world size {world_size})"
-                    )));
-                }
-                stream
-                    .set_read_timeout(None)
-                    .map_err(|e| CommError::io("configuring a peer connection", e))?;
-                return Ok((stream, peer));
+            Ok((stream, from)) => {
+                let (greeted, token) = (greeted.clone(), token.clone());
+                let _ = std::thread::Builder::new()
+                    .name("wildfire-greet".into())
+                    .spawn(move || {
+                        let _ = greeted.send((from, greet(stream, &token, world_size)));
+                    });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(CommError::Rendezvous(
-                        "timed out waiting for higher ranks to connect".into(),
-                    ));
-                }
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(CommError::io("accepting a peer connection", e)),
         }
+        for (from, (stream, greeting)) in greetings.try_iter() {
+            match greeting {
+                Ok(peer) if peer > rank && !peers.iter().any(|(_, p)| *p == peer) => {
+                    peers.push((stream, peer));
+                }
+                Ok(peer) => log_refusal(
+                    Some(from),
+                    &format!("it says it is rank {peer}, not a higher rank still missing"),
+                ),
+                Err(why) => log_refusal(Some(from), &why),
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(CommError::Rendezvous(format!(
+                "timed out waiting for higher ranks to connect ({} of {} arrived)",
+                peers.len(),
+                world_size - rank - 1
+            )));
+        }
     }
+    Ok(peers)
+}
+
+/// The handshake and the greeting of an accepted connection: the rank it says it is.
+fn greet(
+    mut stream: TcpStream,
+    token: &JobToken,
+    world_size: usize,
+) -> (TcpStream, Result<usize, String>) {
+    let greeting = (|| {
+        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+        accept_handshake(&mut stream, token, HANDSHAKE_TIMEOUT).map_err(|e| e.to_string())?;
+        let mut hello = [0u8; 20];
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .and_then(|()| stream.read_exact(&mut hello))
+            .and_then(|()| stream.set_read_timeout(None))
+            .map_err(|e| format!("no greeting: {e}"))?;
+        let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap_or_default());
+        let peer = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default()) as usize;
+        let their_world = u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default()) as usize;
+        if magic != HELLO_MAGIC || their_world != world_size || peer >= world_size {
+            return Err(format!(
+                "not a rank of this job (rank {peer}, world size {their_world}, expected world \
+                 size {world_size})"
+            ));
+        }
+        Ok(peer)
+    })();
+    (stream, greeting)
 }
 
 fn start_peer(
