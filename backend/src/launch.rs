@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use crate::comm::DEFAULT_MASTER_PORT;
-use crate::comm::auth::{JOB_TOKEN_ENV, JobToken};
+use crate::comm::auth::{JOB_TOKEN_ENV, JobToken, secret_in_env};
 
 /// How to launch a job on this node.
 #[derive(Debug, Clone, PartialEq)]
@@ -177,7 +177,7 @@ pub fn launch(config: &LaunchConfig) -> Result<(), LaunchError> {
 /// The secret the ranks get: this launcher's [`JOB_TOKEN_ENV`], or a new one for a job of one
 /// node (a job of several needs the same one on every node).
 fn job_token(config: &LaunchConfig) -> Result<String, LaunchError> {
-    match std::env::var(JOB_TOKEN_ENV).ok().filter(|t| !t.is_empty()) {
+    match secret_in_env() {
         Some(token) => Ok(token),
         None if config.nnodes > 1 => Err(LaunchError::Invalid(format!(
             "a job of {} nodes needs a secret that every launcher shares: set {JOB_TOKEN_ENV} \

@@ -38,7 +38,6 @@
 //!   moments of its rows; the model is saved whole under every stage (ZeRO 3 gathers it for the
 //!   save, and for the model `fit` returns).
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -194,24 +193,17 @@ impl DataParallel {
                 Update::replicated(optimizer, FlatLayout::of_module(model, self.bucket_bytes))
             }
             ZeroStage::Three => {
-                let rows = self.check_units::<A, M>(model)?;
-                let units: HashSet<_> = unit_params(model).into_iter().collect();
-                let outside: Vec<_> = (dp::param_specs(model).into_iter())
-                    .filter(|spec| !units.contains(&spec.id))
-                    .collect();
-                Update::by_units(
-                    optimizer,
-                    FlatLayout::new(&outside, self.bucket_bytes),
-                    rows,
-                )
+                let (outside, rows) = self.split_by_units::<A, M>(model)?;
+                Update::by_units(optimizer, outside, rows)
             }
             _ => return Err(StrategyError::OwnsItsOptimizer(stage)),
         };
         Ok(self.optimizer(update))
     }
 
-    /// Whether `model` can run ZeRO 3 by units here; the elements this rank will hold of them.
-    fn check_units<A, M>(&self, model: &M) -> Result<usize, ShardError>
+    /// ZeRO 3 by units for `model`, where it can run here: the buckets of the parameters
+    /// outside its units, and the elements this rank will hold of those inside.
+    fn split_by_units<A, M>(&self, model: &M) -> Result<(FlatLayout, usize), ShardError>
     where
         A: AutodiffBackend + CollectiveBackend,
         M: AutodiffModule<A>,
@@ -223,18 +215,20 @@ impl DataParallel {
         if data.size() > 1 && data.transport_name() == "local" {
             return Err(ShardError::ThreadRanks(data.size()));
         }
-        let units: HashSet<_> = unit_params(model).into_iter().collect();
+        let units = unit_params(model);
         if units.is_empty() {
             return Err(ShardError::NoUnits);
         }
-        let mut rows = 0;
+        let (mut outside, mut rows) = (Vec::new(), 0);
         for spec in dp::param_specs(model) {
             if units.contains(&spec.id) {
                 let range = split_ranges(spec.shape[0], data.size())[data.rank()].clone();
                 rows += range.len() * spec.numel() / spec.shape[0].max(1);
+            } else {
+                outside.push(spec);
             }
         }
-        Ok(rows)
+        Ok((FlatLayout::new(&outside, self.bucket_bytes), rows))
     }
 
     fn optimizer<A: AutodiffBackend, O>(&self, update: Update<A, O>) -> ParallelOptimizer<A, O> {
@@ -290,13 +284,8 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
     fn follow<M: AutodiffModule<A>>(&self, module: &M) {
         let specs = dp::param_specs(module);
         let rebound = match &*self.update {
-            Update::Replicated {
-                layout, unit_rows, ..
-            } => {
-                let units: HashSet<_> = match unit_rows {
-                    Some(_) => unit_params(module).into_iter().collect(),
-                    None => HashSet::new(),
-                };
+            Update::Replicated { layout, .. } => {
+                let units = self.update.held_by_rows(module);
                 let specs: Vec<_> = (specs.into_iter())
                     .filter(|spec| !units.contains(&spec.id))
                     .collect();

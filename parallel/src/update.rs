@@ -209,6 +209,17 @@ impl<A: AutodiffBackend, O> Update<A, O> {
         }
     }
 
+    /// The parameters of `model` held by rows (inside `ShardedUnit`s, under ZeRO 3 by units);
+    /// none otherwise.
+    pub fn held_by_rows<M: AutodiffModule<A>>(&self, model: &M) -> HashSet<ParamId> {
+        match self {
+            Self::Replicated {
+                unit_rows: Some(_), ..
+            } => unit_params(model),
+            _ => HashSet::new(),
+        }
+    }
+
     /// Bytes this rank holds for its model state (f32): with the Burn optimizer, the
     /// parameters it holds (ZeRO 0: all; by units: its rows of theirs), their gradients and two
     /// AdamW moments (what Burn's AdamW keeps; other optimizers differ).
@@ -264,10 +275,7 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                 let device = inner_device(&model);
                 let (mut grads, reduce) =
                     dp::all_reduce_gradients(groups.data, &lock(layout), &model, grads, &device)?;
-                let units: HashSet<ParamId> = match unit_rows {
-                    Some(_) => unit_params(&model).into_iter().collect(),
-                    None => HashSet::new(),
-                };
+                let units = self.held_by_rows(&model);
                 let counted = |id| !counted_elsewhere.contains(&id);
                 let whole = grad_sum_of_squares_where(&model, &grads, |id| {
                     counted(id) && !units.contains(&id)

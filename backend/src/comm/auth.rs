@@ -54,17 +54,13 @@ impl JobToken {
 
     /// The secret in [`JOB_TOKEN_ENV`], if set and not empty.
     pub fn from_env() -> Option<Self> {
-        std::env::var(JOB_TOKEN_ENV)
-            .ok()
-            .filter(|value| !value.is_empty())
-            .map(Self::new)
+        secret_in_env().map(Self::new)
     }
 
     /// 32 random bytes from the operating system, as 64 hex digits (fit for an environment
     /// variable).
     pub fn generate() -> io::Result<String> {
-        let mut bytes = [0u8; 32];
-        std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+        let bytes = random_bytes::<32>()?;
         Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
     }
 
@@ -112,8 +108,16 @@ fn within<T>(
     result
 }
 
-fn nonce() -> io::Result<[u8; NONCE]> {
-    let mut bytes = [0u8; NONCE];
+/// The value of [`JOB_TOKEN_ENV`], if set and not empty.
+pub fn secret_in_env() -> Option<String> {
+    std::env::var(JOB_TOKEN_ENV)
+        .ok()
+        .filter(|value| !value.is_empty())
+}
+
+/// `N` random bytes from the operating system.
+fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
+    let mut bytes = [0u8; N];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes)
 }
@@ -125,7 +129,7 @@ pub fn accept_handshake(
     timeout: Duration,
 ) -> Result<(), HandshakeError> {
     within(stream, timeout, |stream| {
-        let server_nonce = nonce()?;
+        let server_nonce = random_bytes::<NONCE>()?;
         stream.write_all(&[MAGIC.as_slice(), &server_nonce].concat())?;
         let mut answer = [0u8; NONCE + TAG];
         stream.read_exact(&mut answer).map_err(|e| match e.kind() {
@@ -154,7 +158,7 @@ pub fn connect_handshake(
         if magic != MAGIC {
             return Err(HandshakeError::NotWildfire);
         }
-        let client_nonce = nonce()?;
+        let client_nonce = random_bytes::<NONCE>()?;
         let tag = token.tag(b"client", server_nonce, &client_nonce);
         stream.write_all(&[client_nonce.as_slice(), &tag].concat())?;
         let mut proof = [0u8; TAG];

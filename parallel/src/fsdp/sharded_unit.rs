@@ -33,6 +33,7 @@
 //! other fields. Outside a scope a unit is its module, as at one rank.
 
 use std::cell::RefCell;
+use std::collections::HashSet;
 use std::marker::PhantomData;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -178,11 +179,11 @@ impl Within {
     }
 }
 
-/// The ids of every parameter inside a [`ShardedUnit`] of `module`, in registration order.
-pub fn unit_params<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
+/// The ids of every parameter inside a [`ShardedUnit`] of `module`.
+pub fn unit_params<B: Backend, M: Module<B>>(module: &M) -> HashSet<ParamId> {
     struct Ids {
         within: Within,
-        ids: Vec<ParamId>,
+        ids: HashSet<ParamId>,
     }
     impl<B: Backend> ModuleVisitor<B> for Ids {
         fn enter_module(&mut self, name: &str, container: &str) {
@@ -193,13 +194,13 @@ pub fn unit_params<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamId> {
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if self.within.in_unit() {
-                self.ids.push(param.id);
+                self.ids.insert(param.id);
             }
         }
     }
     let mut ids = Ids {
         within: Within::default(),
-        ids: Vec::new(),
+        ids: HashSet::new(),
     };
     module.visit(&mut ids);
     ids.ids
