@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use crate::comm::DEFAULT_MASTER_PORT;
 use crate::comm::auth::{JOB_TOKEN_ENV, JobToken, secret_in_env};
+use crate::comm::{BIND_ENV, DEFAULT_MASTER_PORT};
 
 /// How to launch a job on this node.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +32,9 @@ pub struct LaunchConfig {
     pub node_rank: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// The address rank 0's store and every rank's listener bind (`WILDFIRE_BIND` for the
+    /// ranks); `None` for `master_addr`'s and each rank's advertised one.
+    pub bind: Option<std::net::IpAddr>,
     pub max_restarts: usize,
     /// How long ranks get to exit after SIGTERM before SIGKILL.
     pub grace: Duration,
@@ -47,6 +50,7 @@ impl Default for LaunchConfig {
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
+            bind: None,
             max_restarts: 0,
             grace: Duration::from_secs(5),
             command: Vec::new(),
@@ -279,6 +283,9 @@ fn spawn_rank(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    if let Some(ip) = config.bind {
+        command.env(BIND_ENV, ip.to_string());
+    }
     let launcher = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid) run between fork and exec.
     unsafe {

@@ -12,6 +12,11 @@ mod typecast;
 
 pub use decorator::Parallel;
 
+/// The unit tests' heap, counted where a test asserts what was (not) allocated.
+#[cfg(test)]
+#[global_allocator]
+static TEST_HEAP: alloc::CountingAlloc = alloc::CountingAlloc::new();
+
 use collective::CollectiveBackend;
 use kernels::attention::FusedAttentionBackend;
 use kernels::bias_gelu::FusedBiasGeluBackend;

@@ -232,6 +232,10 @@ pub struct LaunchArgs {
     /// Port of the rendezvous store.
     #[arg(long, default_value_t = comm::DEFAULT_MASTER_PORT)]
     pub master_port: u16,
+    /// Address the store and the ranks' listeners bind instead of --master-addr's and the one
+    /// each rank advertises (0.0.0.0 for every interface); sets WILDFIRE_BIND for the ranks.
+    #[arg(long, value_name = "IP")]
+    pub bind: Option<std::net::IpAddr>,
     /// Restart the whole group this many times when a rank fails.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
@@ -388,6 +392,7 @@ fn run_launch(args: LaunchArgs) -> anyhow::Result<i32> {
         node_rank: args.node_rank,
         master_addr: args.master_addr,
         master_port: args.master_port,
+        bind: args.bind,
         max_restarts: args.max_restarts,
         grace: Duration::from_secs_f64(args.grace_secs),
         command: args.command,

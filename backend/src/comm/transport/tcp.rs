@@ -7,7 +7,8 @@
 //! pending and later receives from it fail at once instead of waiting for the deadline.
 //!
 //! Frame: magic, key (group, channel, id, part), descriptor (op, seq, dtype, arg, shape), payload
-//! (dtype, element count, raw little-endian elements).
+//! (dtype, element count, raw little-endian elements). A payload that does not fit the tensor its
+//! descriptor announces is refused before memory is reserved for it.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -192,8 +193,8 @@ fn dial(
 
 /// Accepts until every rank above `rank` has connected. Each connection passes the handshake
 /// and says which rank it is on a thread of its own, so an idle or hostile one cannot hold up
-/// the others; one that fails either, or claims a rank that is not a higher one still missing,
-/// is logged and dropped, and the rendezvous goes on.
+/// the others; one that fails either (logged by its thread, whenever it fails) or claims a rank
+/// that is not a higher one still missing is dropped, and the rendezvous goes on.
 fn accept_higher_ranks(
     listener: &TcpListener,
     rank: usize,
@@ -208,12 +209,15 @@ fn accept_higher_ranks(
     let mut peers: Vec<(TcpStream, usize)> = Vec::new();
     while peers.len() < world_size - rank - 1 {
         match listener.accept() {
-            Ok((stream, from)) => {
+            Ok((mut stream, from)) => {
                 let (greeted, token) = (greeted.clone(), token.clone());
                 let _ = std::thread::Builder::new()
                     .name("wildfire-greet".into())
-                    .spawn(move || {
-                        let _ = greeted.send((from, greet(stream, &token, world_size)));
+                    .spawn(move || match greet(&mut stream, &token, world_size) {
+                        Ok(peer) => {
+                            let _ = greeted.send((from, stream, peer));
+                        }
+                        Err(why) => log_refusal(Some(from), &why),
                     });
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -221,16 +225,14 @@ fn accept_higher_ranks(
             }
             Err(e) => return Err(CommError::io("accepting a peer connection", e)),
         }
-        for (from, (stream, greeting)) in greetings.try_iter() {
-            match greeting {
-                Ok(peer) if peer > rank && !peers.iter().any(|(_, p)| *p == peer) => {
-                    peers.push((stream, peer));
-                }
-                Ok(peer) => log_refusal(
+        for (from, stream, peer) in greetings.try_iter() {
+            if peer > rank && !peers.iter().any(|(_, p)| *p == peer) {
+                peers.push((stream, peer));
+            } else {
+                log_refusal(
                     Some(from),
                     &format!("it says it is rank {peer}, not a higher rank still missing"),
-                ),
-                Err(why) => log_refusal(Some(from), &why),
+                );
             }
         }
         if Instant::now() >= deadline {
@@ -245,32 +247,25 @@ fn accept_higher_ranks(
 }
 
 /// The handshake and the greeting of an accepted connection: the rank it says it is.
-fn greet(
-    mut stream: TcpStream,
-    token: &JobToken,
-    world_size: usize,
-) -> (TcpStream, Result<usize, String>) {
-    let greeting = (|| {
-        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-        accept_handshake(&mut stream, token, HANDSHAKE_TIMEOUT).map_err(|e| e.to_string())?;
-        let mut hello = [0u8; 20];
-        stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .and_then(|()| stream.read_exact(&mut hello))
-            .and_then(|()| stream.set_read_timeout(None))
-            .map_err(|e| format!("no greeting: {e}"))?;
-        let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap_or_default());
-        let peer = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default()) as usize;
-        let their_world = u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default()) as usize;
-        if magic != HELLO_MAGIC || their_world != world_size || peer >= world_size {
-            return Err(format!(
-                "not a rank of this job (rank {peer}, world size {their_world}, expected world \
-                 size {world_size})"
-            ));
-        }
-        Ok(peer)
-    })();
-    (stream, greeting)
+fn greet(stream: &mut TcpStream, token: &JobToken, world_size: usize) -> Result<usize, String> {
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    accept_handshake(stream, token, HANDSHAKE_TIMEOUT).map_err(|e| e.to_string())?;
+    let mut hello = [0u8; 20];
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.read_exact(&mut hello))
+        .and_then(|()| stream.set_read_timeout(None))
+        .map_err(|e| format!("no greeting: {e}"))?;
+    let magic = u32::from_le_bytes(hello[0..4].try_into().unwrap_or_default());
+    let peer = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default()) as usize;
+    let their_world = u64::from_le_bytes(hello[12..20].try_into().unwrap_or_default()) as usize;
+    if magic != HELLO_MAGIC || their_world != world_size || peer >= world_size {
+        return Err(format!(
+            "not a rank of this job (rank {peer}, world size {their_world}, expected world \
+             size {world_size})"
+        ));
+    }
+    Ok(peer)
 }
 
 fn start_peer(
@@ -346,6 +341,12 @@ fn write_loop(
 }
 
 fn write_frame(stream: &mut TcpStream, message: &Message) -> io::Result<()> {
+    stream.write_all(&frame_head(message))?;
+    stream.write_all(message.payload.bytes())
+}
+
+/// Everything of a frame before its payload's bytes.
+fn frame_head(message: &Message) -> Vec<u8> {
     let Message { key, desc, payload } = message;
     let mut head = Vec::with_capacity(64 + 8 * desc.shape.len());
     head.extend_from_slice(&FRAME_MAGIC.to_le_bytes());
@@ -363,8 +364,7 @@ fn write_frame(stream: &mut TcpStream, message: &Message) -> io::Result<()> {
     }
     head.push(payload.dtype() as u8);
     head.extend_from_slice(&(payload.elems() as u64).to_le_bytes());
-    stream.write_all(&head)?;
-    stream.write_all(payload.bytes())
+    head
 }
 
 fn invalid(what: &str) -> io::Error {
@@ -372,6 +372,29 @@ fn invalid(what: &str) -> io::Error {
         io::ErrorKind::InvalidData,
         format!("malformed frame: {what}"),
     )
+}
+
+/// Refuses a payload that cannot belong to the op its frame announces, before anything is
+/// allocated for it. Every message of a collective carries a part of its sender's input (the
+/// descriptor's shape) in the op's dtype, or nothing: at most `∏ shape` elements of `dtype`.
+fn check_announced(
+    op: OpKind,
+    dtype: WireDType,
+    shape: &[usize],
+    payload_dtype: WireDType,
+    elems: usize,
+) -> io::Result<()> {
+    if elems == 0 {
+        return Ok(());
+    }
+    let most = shape.iter().try_fold(1usize, |n, d| n.checked_mul(*d));
+    if payload_dtype == dtype && most.is_some_and(|most| elems <= most) {
+        return Ok(());
+    }
+    Err(invalid(&format!(
+        "a payload of {elems} {payload_dtype:?} elements does not fit the {op} it announces \
+         ({dtype:?}, shape {shape:?}); refused before reading it"
+    )))
 }
 
 /// Reads `elems` elements of `E` straight into a new vector, without zeroing it first (every byte
@@ -454,6 +477,7 @@ fn read_frame(r: &mut BufReader<TcpStream>) -> io::Result<Message> {
         .collect::<io::Result<Vec<_>>>()?;
     let payload_dtype = WireDType::from_code(u8s(r)?).ok_or_else(|| invalid("payload dtype"))?;
     let elems = u64s(r)? as usize;
+    check_announced(op, dtype, &shape, payload_dtype, elems)?;
     let payload = with_elem_type!(payload_dtype, E => {
         Payload::owned(read_elements::<E>(r, elems)?)
     });
@@ -523,5 +547,98 @@ impl Drop for TcpTransport {
             }
             let _ = peer.stream.shutdown(Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame of an all-reduce of four f32 values.
+    fn all_reduce_of_four() -> Message {
+        Message {
+            key: Key {
+                group: 7,
+                channel: Channel::Collective,
+                id: 3,
+                part: 0,
+            },
+            desc: Descriptor {
+                op: OpKind::AllReduce,
+                seq: 3,
+                dtype: WireDType::F32,
+                shape: vec![4],
+                arg: 0,
+            },
+            payload: Payload::owned(vec![1.5f32, -2.0, 0.25, 8.0]),
+        }
+    }
+
+    /// Sends `bytes` over loopback and decodes one frame from them.
+    fn read_sent(bytes: Vec<u8>) -> io::Result<Message> {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut sender = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (receiver, _) = listener.accept().unwrap();
+        sender.write_all(&bytes).unwrap();
+        drop(sender);
+        read_frame(&mut BufReader::new(receiver))
+    }
+
+    #[test]
+    fn a_frame_reads_back_as_sent() {
+        let message = all_reduce_of_four();
+        let mut bytes = frame_head(&message);
+        bytes.extend_from_slice(message.payload.bytes());
+        let read = read_sent(bytes).unwrap();
+        assert_eq!((read.key, &read.desc), (message.key, &message.desc));
+        assert_eq!(read.payload.slice::<f32>(), message.payload.slice::<f32>());
+    }
+
+    /// The head of `message` with its payload's element count (the head's last field) replaced.
+    fn announcing(message: &Message, elems: u64) -> Vec<u8> {
+        let mut head = frame_head(message);
+        let at = head.len() - 8;
+        head[at..].copy_from_slice(&elems.to_le_bytes());
+        head
+    }
+
+    #[test]
+    fn a_payload_larger_than_its_op_is_refused_before_it_is_allocated() {
+        let message = all_reduce_of_four();
+        // 4 GiB of f32 for an all-reduce of 4 elements: allocating it first would show in the
+        // heap's peak, whatever other tests of this binary allocate meanwhile.
+        let announced = 1u64 << 30;
+        crate::TEST_HEAP.enable();
+        crate::TEST_HEAP.reset_peak();
+        let before = crate::TEST_HEAP.current();
+        let error = read_sent(announcing(&message, announced)).unwrap_err();
+        let grown = crate::TEST_HEAP.peak().saturating_sub(before);
+        assert!(
+            grown < 1 << 30,
+            "the heap grew by {grown} bytes while refusing a frame"
+        );
+        assert!(
+            error
+                .to_string()
+                .contains("does not fit the all_reduce it announces")
+                && error.to_string().contains("shape [4]"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_payload_of_another_dtype_or_an_overflowing_shape_is_refused() {
+        let mut bytes_as_f32 = all_reduce_of_four();
+        bytes_as_f32.payload = Payload::owned(vec![0u8; 4]);
+        let error = read_sent(frame_head(&bytes_as_f32)).unwrap_err();
+        assert!(error.to_string().contains("4 U8 elements"), "{error}");
+
+        let mut huge = all_reduce_of_four();
+        huge.desc.shape = vec![1 << 40, 1 << 40];
+        let error = read_sent(announcing(&huge, 1 << 41)).unwrap_err();
+        assert!(
+            error.to_string().contains("refused before reading"),
+            "{error}"
+        );
     }
 }
