@@ -1,5 +1,6 @@
 //! `comm`: time per op, algorithm bandwidth and bus bandwidth (nccl-tests' definitions) of every
-//! collective, on both transports, at the tensor API, with a single-thread memcpy baseline from
+//! collective, on every transport (local threads, shared memory and tcp between processes), at
+//! the tensor API, with a single-thread memcpy baseline from
 //! the same run.
 //!
 //! - algbw = bytes / time, where bytes is the whole buffer: the all-reduce, broadcast, all-to-all
@@ -21,7 +22,7 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use wildfire_backend::comm::{
-    CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp,
+    CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp, TRANSPORT_ENV,
 };
 use wildfire_backend::launch::{LaunchConfig, launch};
 
@@ -47,7 +48,8 @@ pub struct CommArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
     ranks: Vec<usize>,
     /// Transports to measure.
-    #[arg(long, value_delimiter = ',', default_values_t = ["local".to_string(), "tcp".to_string()])]
+    /// `gloo` is PyTorch's (benches/reference/comm_gloo.py), measured when python3 has torch.
+    #[arg(long, value_delimiter = ',', default_values_t = ["local", "shm", "tcp", "gloo"].map(String::from))]
     transports: Vec<String>,
     /// Ops to measure.
     #[arg(long, value_delimiter = ',', default_values_t = OPS.map(String::from))]
@@ -144,8 +146,9 @@ pub fn run(args: CommArgs) -> anyhow::Result<()> {
         for &n in &args.ranks {
             let records = match transport.as_str() {
                 "local" => measure_local(n, &sizes, &args.ops, args.seconds)?,
-                "tcp" => measure_tcp(n, &sizes, &args.ops, args.seconds)?,
-                other => bail!("unknown transport {other:?}; known: local, tcp"),
+                "tcp" | "shm" => measure_processes(transport, n, &sizes, &args.ops, args.seconds)?,
+                "gloo" => measure_gloo(n, &sizes, &args.ops, args.seconds)?,
+                other => bail!("unknown transport {other:?}; known: local, shm, tcp, gloo"),
             };
             for mut record in records {
                 record.memcpy = memcpy;
@@ -207,7 +210,9 @@ fn measure_local(
     Ok(results.swap_remove(0))
 }
 
-fn measure_tcp(
+/// `n` processes started by the launcher, on `transport` (`tcp` or `shm`).
+fn measure_processes(
+    transport: &str,
     n: usize,
     sizes: &[usize],
     ops: &[String],
@@ -226,6 +231,8 @@ fn measure_tcp(
         nproc_per_node: n,
         master_port: port,
         command: vec![
+            "env".into(),
+            format!("{TRANSPORT_ENV}={transport}"),
             exe.display().to_string(),
             "comm-worker".into(),
             "--sizes".into(),
@@ -244,6 +251,70 @@ fn measure_tcp(
         std::fs::read_to_string(&out).with_context(|| format!("reading {}", out.display()))?;
     let _ = std::fs::remove_file(&out);
     text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+/// What `comm_gloo.py` prints per measurement.
+#[derive(Debug, Deserialize)]
+struct GlooLine {
+    op: String,
+    ranks: usize,
+    bytes: usize,
+    time_s: f64,
+}
+
+/// PyTorch's gloo on `n` processes (`benches/reference/comm_gloo.py`), or nothing, with a note
+/// on stderr, where python3 lacks torch. Gloo has no reduce-scatter.
+fn measure_gloo(
+    n: usize,
+    sizes: &[usize],
+    ops: &[String],
+    seconds: f64,
+) -> anyhow::Result<Vec<Record>> {
+    let has_torch = std::process::Command::new("python3")
+        .args(["-c", "import torch.distributed"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !has_torch {
+        eprintln!("gloo: skipped (python3 with torch not found; pip install torch)");
+        return Ok(Vec::new());
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/comm_gloo.py");
+    let join = |v: Vec<String>| v.join(",");
+    let output = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--ranks", &n.to_string(), "--seconds", &seconds.to_string()])
+        .args([
+            "--sizes",
+            &join(sizes.iter().map(|s| s.to_string()).collect()),
+        ])
+        .args(["--ops", &join(ops.to_vec())])
+        .output()
+        .context("running python3")?;
+    if !output.status.success() {
+        bail!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let stdout = String::from_utf8(output.stdout)?;
+    let lines = stdout.lines().filter(|l| l.starts_with('{'));
+    lines
+        .map(|line| {
+            let g: GlooLine = serde_json::from_str(line)?;
+            let algbw = g.bytes as f64 / g.time_s / 1e9;
+            Ok(Record {
+                busbw: algbw * bus_factor(&g.op, g.ranks),
+                op: g.op,
+                transport: "gloo".into(),
+                ranks: g.ranks,
+                bytes: g.bytes,
+                time_s: g.time_s,
+                algbw,
+                memcpy: 0.0,
+            })
+        })
+        .collect()
 }
 
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {

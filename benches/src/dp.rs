@@ -1,5 +1,5 @@
 //! `dp`: data-parallel training throughput of the recipe's tiny GPT (batch 16 per rank, context
-//! 128) at dp = 1 and dp = 2, with ranks as threads of one process and as processes (tcp), from
+//! 128) at dp = 1 and dp = 2, with ranks as threads of one process and as processes (shared memory), from
 //! the run's own metrics: median tokens/s over the steps after 3 warm-up steps, scaling
 //! efficiency against one rank on one core, and the share of step time spent in the gradient
 //! all-reduce. Every configuration runs in its own process (the thread pool is sized once per

@@ -37,7 +37,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Collective bandwidth of every op on the local and tcp transports, against a memcpy baseline.
+    /// Collective bandwidth of every op on the local, shm and tcp transports (and gloo with
+    /// PyTorch installed), against a memcpy baseline.
     Comm(comm::CommArgs),
     /// The cost of the `Parallel<B>` decorator with no override active, against the bare backend.
     Decorator(decorator::DecoratorArgs),
@@ -72,7 +73,7 @@ enum Command {
     /// One rank of a pipeline measurement (started by `pp` through the launcher).
     #[command(hide = true)]
     PpWorker(pp::WorkerArgs),
-    /// One rank of a tcp measurement (started by `comm` through the launcher).
+    /// One rank of a shm or tcp measurement (started by `comm` through the launcher).
     #[command(hide = true)]
     CommWorker(comm::WorkerArgs),
 }

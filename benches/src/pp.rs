@@ -1,6 +1,6 @@
 //! Pipeline parallelism: the measured bubble against theory, and what 1F1B stores against GPipe.
 //!
-//! Every rank is a process (started through the launcher, tcp transport), as in a real job.
+//! Every rank is a process (started through the launcher, on its default transport: shared memory on one host), as in a real job.
 //!
 //! 1. **Equal synthetic stages.** Each stage sleeps `t_f` in its forward and `2·t_f` in its
 //!    backward (a recorded autodiff op), so the schedule, the executor and the transport are

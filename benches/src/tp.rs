@@ -1,7 +1,7 @@
 //! `tp`: tensor-parallel training throughput (forward, backward and update) of the recipe's GPT
 //! at tp = 2 against tp = 1, on the tiny and gpt2 presets. tp = 1 is one process on one core,
 //! and on both cores (the baseline); tp = 2 is two processes of one core each (through the
-//! launcher, on the tcp transport), with and without sequence parallelism. From each run's own metrics: median tokens/s and step time
+//! launcher, on its default transport: shared memory on one host), with and without sequence parallelism. From each run's own metrics: median tokens/s and step time
 //! after 3 warm-up steps, and the share of step time rank 0 spends in collectives (the
 //! tensor-parallel ones inside the forward and backward, and the sequence-parallel gradient
 //! sums).

@@ -1,10 +1,13 @@
 //! Faults: peers that are too slow, that die, or that run a different collective. Each must
 //! produce a clear error (never a hang), with a hard timeout on every test.
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use wildfire_backend::comm::auth::JOB_TOKEN_ENV;
 use wildfire_backend::comm::{
     CommError, CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp,
+    TRANSPORT_ENV,
 };
 use wildfire_tests::{free_port, launch, options, process_exists, run_ranks, run_with_limit};
 
@@ -198,6 +201,7 @@ fn tcp_sleeping_rank_times_out_the_others() {
         &[env!("CARGO_BIN_EXE_fault-worker"), "sleep-past-deadline"],
     );
     cmd.env("WILDFIRE_COMM_TIMEOUT", "2");
+    cmd.env(TRANSPORT_ENV, "tcp");
     let done = run_with_limit(&mut cmd, LIMIT);
     let out = done.output();
     assert_ne!(done.code, Some(0), "{out}");
@@ -205,11 +209,7 @@ fn tcp_sleeping_rank_times_out_the_others() {
         out.contains("timed out after") && out.contains("rank(s) [1]"),
         "{out}"
     );
-    let elapsed_ms: Vec<u128> = out
-        .lines()
-        .filter_map(|l| l.split("error after ").nth(1))
-        .filter_map(|l| l.split(" ms").next()?.parse().ok())
-        .collect();
+    let elapsed_ms = error_times_ms(&out);
     assert!(!elapsed_ms.is_empty(), "{out}");
     assert!(
         elapsed_ms.iter().all(|ms| *ms <= 7000),
@@ -265,6 +265,7 @@ fn tcp_debug_mode_names_the_mismatched_rank() {
     );
     cmd.env("WILDFIRE_COMM_DEBUG", "1")
         .env("WILDFIRE_COMM_TIMEOUT", "20");
+    cmd.env(TRANSPORT_ENV, "tcp");
     let done = run_with_limit(&mut cmd, LIMIT);
     let out = done.output();
     assert_ne!(done.code, Some(0), "{out}");
@@ -301,4 +302,59 @@ fn launcher_restarts_the_group_and_names_a_failed_rank() {
         "{}",
         done.stderr
     );
+}
+
+/// The milliseconds each `fault-worker error after N ms` line of `out` reports.
+fn error_times_ms(out: &str) -> Vec<u128> {
+    out.lines()
+        .filter_map(|l| l.split("error after ").nth(1))
+        .filter_map(|l| l.split(" ms").next()?.parse().ok())
+        .collect()
+}
+
+/// Over shared memory, ranks started by hand (no launcher stops the survivors): a rank
+/// SIGKILLed once the group is up makes the others' all-reduce fail naming it long before the
+/// deadline, and nothing of the job is left in /dev/shm.
+#[test]
+fn shm_sigkilled_rank_is_named_by_the_others_and_leaves_no_segment() {
+    let port = free_port().to_string();
+    let ranks: Vec<_> = (0..3)
+        .map(|rank: usize| {
+            let mut worker = Command::new(env!("CARGO_BIN_EXE_fault-worker"));
+            worker
+                .arg("die-after-joining")
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .envs([("WORLD_SIZE", "3"), ("LOCAL_WORLD_SIZE", "3")])
+                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)])
+                .envs([(TRANSPORT_ENV, "shm"), ("WILDFIRE_COMM_TIMEOUT", "60")])
+                .env_remove(JOB_TOKEN_ENV);
+            std::thread::spawn(move || run_with_limit(&mut worker, LIMIT))
+        })
+        .collect();
+    let done: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    assert_eq!(
+        done[1].code,
+        None,
+        "rank 1 dies by its signal: {}",
+        done[1].output()
+    );
+    for rank in [0, 2] {
+        let out = done[rank].output();
+        assert_eq!(done[rank].code, Some(3), "rank {rank}: {out}");
+        assert!(out.contains("rank 1 exited"), "rank {rank}: {out}");
+        let times = error_times_ms(&out);
+        assert!(
+            !times.is_empty() && times.iter().all(|ms| *ms < 10_000),
+            "rank {rank} noticed within 10 s of a 60 s deadline: {out}"
+        );
+    }
+    let prefix = format!("wildfire-{port}-");
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }

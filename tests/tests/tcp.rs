@@ -1,5 +1,6 @@
-//! The collectives over the TCP transport, with real processes started by `wildfire launch`:
-//! the same rank-stamped exactness checks as the thread tests, at 2 and 4 processes; and
+//! The collectives between processes started by `wildfire launch`, over TCP and over shared
+//! memory: the same rank-stamped exactness checks as the thread tests, at 2 and 4 processes; the
+//! fall-back to TCP when /dev/shm is too small; and
 //! rendezvous (one launcher, and two sharing a secret) that clients without the job's secret,
 //! garbage and idle connections do not stop, at the store or at a rank's peer listener.
 
@@ -11,33 +12,78 @@ use std::time::{Duration, Instant};
 
 use wildfire_backend::comm::auth::{HandshakeError, JOB_TOKEN_ENV, JobToken, connect_handshake};
 use wildfire_backend::comm::{
-    HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp, StoreClient,
+    HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, RING_BYTES_ENV, ReduceOp, StoreClient,
+    TRANSPORT_ENV,
 };
 use wildfire_tests::{Finished, free_port, launch, options, run_with_limit, wildfire_bin};
 
-fn comm_check(n: usize) {
+/// `wildfire comm-check` on `n` launched processes with `WILDFIRE_TRANSPORT=transport`; returns
+/// what they printed.
+fn comm_check(n: usize, transport: &str, env: &[(&str, &str)]) -> String {
     let bin = wildfire_bin();
     let mut cmd = launch(n, &[], &[bin.to_str().expect("utf8 path"), "comm-check"]);
-    cmd.env("WILDFIRE_COMM_TIMEOUT", "120");
+    cmd.env("WILDFIRE_COMM_TIMEOUT", "120")
+        .env(TRANSPORT_ENV, transport)
+        .envs(env.iter().copied());
     let done = run_with_limit(&mut cmd, Duration::from_secs(300));
     let out = done.output();
     assert_eq!(done.code, Some(0), "{out}");
+    let used = if transport == "auto" {
+        "tcp"
+    } else {
+        transport
+    };
     for rank in 0..n {
         let line = format!(
-            "[rank {rank}] comm-check passed: rank {rank} of {n} (tcp transport, cpu tensors)"
+            "[rank {rank}] comm-check passed: rank {rank} of {n} ({used} transport, cpu tensors)"
         );
         assert!(out.contains(&line), "missing {line:?} in\n{out}");
     }
+    out
 }
 
 #[test]
 fn every_op_is_exact_over_tcp_with_two_processes() {
-    comm_check(2);
+    comm_check(2, "tcp", &[]);
 }
 
 #[test]
 fn every_op_is_exact_over_tcp_with_four_processes() {
-    comm_check(4);
+    comm_check(4, "tcp", &[]);
+}
+
+#[test]
+fn every_op_is_exact_over_shared_memory_with_two_processes() {
+    comm_check(2, "shm", &[]);
+}
+
+#[test]
+fn every_op_is_exact_over_shared_memory_with_four_processes() {
+    // Rings of 4 KiB: every 4 MiB message wraps around its ring a thousand times.
+    comm_check(4, "shm", &[(RING_BYTES_ENV, "4096")]);
+}
+
+/// When /dev/shm cannot hold the rings (here: rings asked far larger than any /dev/shm), the
+/// default transport says why on rank 0 and falls back to tcp; asking for shm fails instead.
+#[test]
+fn too_little_shared_memory_falls_back_to_tcp_saying_why() {
+    let huge = (1usize << 50).to_string();
+    let out = comm_check(2, "auto", &[(RING_BYTES_ENV, &huge)]);
+    assert!(
+        out.contains("wildfire: shared memory unavailable (rank 0: /dev/shm has")
+            && out.contains("using the tcp transport"),
+        "{out}"
+    );
+    let bin = wildfire_bin();
+    let mut forced = launch(2, &[], &[bin.to_str().expect("utf8 path"), "comm-check"]);
+    forced.env(TRANSPORT_ENV, "shm").env(RING_BYTES_ENV, &huge);
+    let done = run_with_limit(&mut forced, Duration::from_secs(60));
+    let out = done.output();
+    assert_ne!(done.code, Some(0), "{out}");
+    assert!(
+        out.contains("WILDFIRE_TRANSPORT=shm, but shared memory cannot connect this job"),
+        "{out}"
+    );
 }
 
 /// Under `wildfire launch` (`WILDFIRE_ATTACKED` set to a file's path): one rank of a job that,

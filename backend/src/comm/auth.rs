@@ -116,7 +116,7 @@ pub fn secret_in_env() -> Option<String> {
 }
 
 /// `N` random bytes from the operating system.
-fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
+pub(crate) fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
     let mut bytes = [0u8; N];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes)

@@ -1,20 +1,25 @@
-//! Joining a multi-process job: rendezvous through the store, then the TCP transport.
+//! Joining a multi-process job: rendezvous through the store, then the shared-memory transport
+//! (ranks of one host) or the TCP one.
 
 use std::net::{IpAddr, ToSocketAddrs};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::auth::{JOB_TOKEN_ENV, JobToken};
 use super::env::LaunchEnv;
 use super::error::CommError;
 use super::group::{CommOptions, ProcessGroup, Rendezvous};
 use super::store::{StoreClient, StoreServer};
+use super::transport::Transport;
+use super::transport::shm::{Choice, ShmTransport, TRANSPORT_ENV};
 use super::transport::tcp::{BIND_ENV, TcpTransport, bind_ip};
 
 impl ProcessGroup {
     /// Joins the job described by `env` and returns the world group.
     ///
     /// Rank 0 serves the rendezvous store at `master_addr:master_port`, bound to that address
-    /// only; every rank publishes its listener there and connects to every other rank. Every
+    /// only; through it, ranks of one host map each other's shared memory, or (another host, or
+    /// shared memory unavailable) publish their listeners and connect to every other rank. Every
     /// connection proves it holds the job's secret (`WILDFIRE_JOB_TOKEN`, see `comm::auth`),
     /// which a job spanning hosts must have. A world of one needs no network. Fails, naming the
     /// values involved, on a bad rank or world size, a missing secret, an unreachable store, a
@@ -36,24 +41,55 @@ impl ProcessGroup {
         };
         let store =
             StoreClient::connect(&env.master_addr, env.master_port, options.timeout, &token)?;
-        let transport = TcpTransport::connect(
-            env.rank,
-            env.world_size,
-            env.local_world_size,
-            &store,
-            options.timeout,
-            &token,
-        )?;
+        let transport = transport(env, &store, options.timeout, &token)?;
         let rendezvous = Rendezvous {
             store,
             _server: server,
         };
-        Ok(Self::world(
-            Arc::new(transport),
-            options,
-            Some(Arc::new(rendezvous)),
-        ))
+        Ok(Self::world(transport, options, Some(Arc::new(rendezvous))))
     }
+}
+
+/// Shared memory when every rank is on this host and can use it ([`TRANSPORT_ENV`] decides
+/// otherwise), else tcp; `auto` says on rank 0 why shared memory was not used on one host.
+fn transport(
+    env: &LaunchEnv,
+    store: &StoreClient,
+    timeout: Duration,
+    token: &JobToken,
+) -> Result<Arc<dyn Transport>, CommError> {
+    let choice = Choice::from_env()?;
+    let one_host = env.world_size == env.local_world_size;
+    let wanted = match choice {
+        Choice::Tcp => Err(format!("{TRANSPORT_ENV}=tcp")),
+        _ if !one_host => Err("the job spans hosts".to_string()),
+        _ => Ok(()),
+    };
+    let job = env.master_port.to_string();
+    let why_not = match ShmTransport::connect(env.rank, env.world_size, store, wanted, &job)? {
+        Ok(shm) => return Ok(Arc::new(shm)),
+        Err(why) => why,
+    };
+    match choice {
+        Choice::Shm => {
+            return Err(CommError::Rendezvous(format!(
+                "{TRANSPORT_ENV}=shm, but shared memory cannot connect this job: {why_not}"
+            )));
+        }
+        Choice::Auto if one_host && env.rank == 0 => {
+            eprintln!("wildfire: shared memory unavailable ({why_not}); using the tcp transport");
+        }
+        _ => {}
+    }
+    let tcp = TcpTransport::connect(
+        env.rank,
+        env.world_size,
+        env.local_world_size,
+        store,
+        timeout,
+        token,
+    )?;
+    Ok(Arc::new(tcp))
 }
 
 /// The job's secret: required when the job spans hosts; without one (a single host, not started

@@ -5,6 +5,7 @@
 //! - `kill-self DIR`: every rank writes DIR/rank<r>.pid; rank 1 then SIGKILLs itself, the others sleep.
 //! - `mismatch`: rank 1 broadcasts while the others all-reduce (run with WILDFIRE_COMM_DEBUG=1).
 //! - `flaky`: rank 1 exits 3 on the first attempt; after a restart every rank all-reduces.
+//! - `die-after-joining`: rank 1 SIGKILLs itself once the group is up; the others all-reduce.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,12 @@ fn main() {
         kill_self(&env, &args[2]);
     }
     let world = ProcessGroup::init(&env, CommOptions::from_env().expect("options")).expect("init");
+    if mode == "die-after-joining" && env.rank == 1 {
+        // SAFETY: signals this very process.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
     let device = Default::default();
     let x = Tensor::<Flex, 1>::ones([4], &device);
     let started = Instant::now();

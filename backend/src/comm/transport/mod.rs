@@ -1,7 +1,9 @@
 //! Transports move [`Message`]s between the ranks of the world; everything above them (the
 //! collective algorithms, the tensor API) is written once against this trait.
 
+mod frame;
 pub(crate) mod local;
+pub(crate) mod shm;
 pub(crate) mod tcp;
 
 use super::mailbox::{Mailbox, Message};
@@ -11,7 +13,7 @@ pub(crate) trait Transport: Send + Sync {
     /// This process's (or thread's) global rank.
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// A short name for reports: "local" or "tcp".
+    /// A short name for reports: "local", "shm" or "tcp".
     fn name(&self) -> &'static str;
     /// Large transfers are cut into pieces of at most this many bytes so that receiving one
     /// piece overlaps reducing the previous one. `usize::MAX` where transfers cost nothing.
