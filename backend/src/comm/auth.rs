@@ -60,8 +60,7 @@ impl JobToken {
     /// 32 random bytes from the operating system, as 64 hex digits (fit for an environment
     /// variable).
     pub fn generate() -> io::Result<String> {
-        let bytes = random_bytes::<32>()?;
-        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+        random_hex::<32>()
     }
 
     /// HMAC(k, role ‖ first ‖ second), before finalising.
@@ -116,10 +115,18 @@ pub fn secret_in_env() -> Option<String> {
 }
 
 /// `N` random bytes from the operating system.
-pub(crate) fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
+fn random_bytes<const N: usize>() -> io::Result<[u8; N]> {
     let mut bytes = [0u8; N];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes)
+}
+
+/// `N` random bytes from the operating system, as `2N` hex digits.
+pub(crate) fn random_hex<const N: usize>() -> io::Result<String> {
+    Ok(random_bytes::<N>()?
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// The accepting side: challenges the client, checks its answer, then proves itself.

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use super::Transport;
 use super::frame::{frame_head, read_head, read_payload};
-use crate::comm::auth::random_bytes;
+use crate::comm::auth::random_hex;
 use crate::comm::error::CommError;
 use crate::comm::mailbox::{Mailbox, Message};
 use crate::comm::store::StoreClient;
@@ -130,7 +130,7 @@ impl Segment {
                  {RING_BYTES_ENV} lower)"
             ));
         }
-        let c_name = CString::new(format!("/{name}")).map_err(|e| e.to_string())?;
+        let c_name = shm_name(name)?;
         // SAFETY: a valid C string; the returned descriptor is owned below.
         let fd = unsafe {
             libc::shm_open(
@@ -159,15 +159,14 @@ impl Segment {
             Self::map(fd, len, rings, ring_bytes)
         })();
         if reserved.is_err() {
-            // SAFETY: a valid C string.
-            unsafe { libc::shm_unlink(c_name.as_ptr()) };
+            unlink(name);
         }
         reserved
     }
 
     /// Opens and maps a peer's segment, checking its size.
     fn open(name: &str, rings: usize, ring_bytes: usize) -> Result<Self, String> {
-        let c_name = CString::new(format!("/{name}")).map_err(|e| e.to_string())?;
+        let c_name = shm_name(name)?;
         // SAFETY: a valid C string; the returned descriptor is owned below.
         let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDWR, 0) };
         if fd < 0 {
@@ -543,9 +542,10 @@ impl ShmTransport {
     ) -> Result<Result<Self, String>, CommError> {
         let ring_bytes = ring_bytes()?;
         let rings = world_size - 1;
+        let host = host_id();
         let own = wanted.and_then(|()| create_own(job, rank, rings, ring_bytes));
         let mine = match &own {
-            Ok((name, _)) => Ok(format!("{} {name}", host_id())),
+            Ok((name, _)) => Ok(format!("{host} {name}")),
             Err(why) => Err(why.clone()),
         };
         let connected = agree(store, "created", rank, world_size, mine).and_then(|names| {
@@ -553,7 +553,7 @@ impl ShmTransport {
                 Ok(names) => names,
                 Err(why) => return Ok(Err(why)),
             };
-            let peers = open_peers(&names, rank, rings, ring_bytes);
+            let peers = open_peers(&names, &host, rank, rings, ring_bytes);
             let mine = peers.as_ref().map(|_| String::new()).map_err(Clone::clone);
             Ok(agree(store, "mapped", rank, world_size, mine)?.and(peers))
         });
@@ -608,14 +608,15 @@ impl ShmTransport {
     }
 }
 
-/// Opens every peer's segment from its "host name" detail; fails on a peer of another host.
+/// Opens every peer's segment from its "host name" detail; fails on a peer of another host
+/// than `host`.
 fn open_peers(
     details: &[String],
+    host: &str,
     rank: usize,
     rings: usize,
     ring_bytes: usize,
 ) -> Result<Vec<Option<Arc<Segment>>>, String> {
-    let host = host_id();
     let open = |(q, detail): (usize, &String)| {
         let (their_host, name) = detail.rsplit_once(' ').unwrap_or(("", detail));
         if q == rank {
@@ -651,14 +652,18 @@ fn create_own(
     ring_bytes: usize,
 ) -> Result<(String, Segment), String> {
     remove_stale_segments(STALE_AFTER);
-    let random = random_bytes::<16>().map_err(|e| format!("reading random bytes: {e}"))?;
-    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = random_hex::<16>().map_err(|e| format!("reading random bytes: {e}"))?;
     let name = format!("{NAME_PREFIX}{job}-r{rank}-{hex}");
     Segment::create(&name, rings, ring_bytes).map(|segment| (name, segment))
 }
 
+/// The name `shm_open` and `shm_unlink` take for /dev/shm/`name`.
+fn shm_name(name: &str) -> Result<CString, String> {
+    CString::new(format!("/{name}")).map_err(|e| e.to_string())
+}
+
 fn unlink(name: &str) {
-    if let Ok(c_name) = CString::new(format!("/{name}")) {
+    if let Ok(c_name) = shm_name(name) {
         // SAFETY: a valid C string.
         unsafe { libc::shm_unlink(c_name.as_ptr()) };
     }
