@@ -355,6 +355,7 @@ where
     let strategy_rank = strategy.mesh().world().rank();
     let mut training = SupervisedTraining::new(dir, train_loader, valid_loader)
         .metric_train_numeric(LossMetric::new())
+        .metric_train_numeric(strategy.grad_norm_metric())
         .metric_valid_numeric(LossMetric::new())
         .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
         .num_epochs(run.epochs)

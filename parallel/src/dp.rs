@@ -130,12 +130,17 @@ impl FlatLayout {
         self.buckets.iter().map(|b| b.numel).sum()
     }
 
-    /// The ids of the layout's parameters in registration order.
-    fn ids_in_order(&self) -> Vec<ParamId> {
+    /// The layout's parameters in registration order.
+    pub fn params_in_order(&self) -> Vec<&ParamSpec> {
         let mut slots: Vec<&Slot> = self.buckets.iter().flat_map(|b| &b.slots).collect();
         // Buckets fill in reverse registration order, and so do the slots within a bucket.
         slots.reverse();
-        slots.iter().map(|s| s.param.id).collect()
+        slots.iter().map(|s| &s.param).collect()
+    }
+
+    /// The ids of the layout's parameters in registration order.
+    pub fn ids_in_order(&self) -> Vec<ParamId> {
+        self.params_in_order().iter().map(|p| p.id).collect()
     }
 
     /// Whether `params` (registration order) are this layout's parameters, by id.

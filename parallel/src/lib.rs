@@ -2,7 +2,9 @@
 //! layout of a job, its validation and its process groups ([`mesh`]), identical replicas at
 //! start ([`replicas`]), data parallelism ([`dp`]: DDP's bucketed gradient reduction), ZeRO
 //! stages 1–3 and offload ([`fsdp`]), global-norm clipping ([`clip`]), the optimizer step under
-//! every stage ([`update`]), burn-train learning strategies built on them ([`strategy`]),
+//! every stage ([`update`]), burn-train learning strategies built on them ([`strategy`], with
+//! checkpoints any stage resumes ([`moments`]), AdamW offloaded per tensor ([`offload`]) and the
+//! gradient norm as a metric ([`grad_norm`])),
 //! pipeline parallelism ([`pp`]: partition, schedules as checked data, executor), tensor and
 //! sequence parallelism ([`tp`]: the layers and the plan that applies them to a model), and
 //! mixed precision ([`precision`]: fp16 loss scaling).
@@ -10,7 +12,10 @@
 pub mod clip;
 pub mod dp;
 pub mod fsdp;
+pub mod grad_norm;
 pub mod mesh;
+pub mod moments;
+pub mod offload;
 pub mod pp;
 pub mod precision;
 pub mod replicas;

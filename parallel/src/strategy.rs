@@ -7,6 +7,7 @@
 //! let strategy = DataParallel::from_env(ParallelDims::data(dp, ZeroStage::One))?;
 //! let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01))?;
 //! SupervisedTraining::new(strategy.artifact_dir(dir), train, valid)
+//!     .metric_train_numeric(strategy.grad_norm_metric()) /* optional */
 //!     .with_training_strategy(strategy.into()) /* metrics, epochs … */
 //!     .launch(Learner::new(model, optimizer, lr));
 //! ```
@@ -26,26 +27,31 @@
 //! - **ZeRO 3** shards the parts of the model wrapped in [`crate::fsdp::ShardedUnit`]: after
 //!   the start's broadcast each rank keeps its rows of their parameters, and every forward and
 //!   backward of the Learner runs in a gather scope ([`crate::fsdp::gather_units_within`]). It
-//!   needs `Autodiff<Parallel<B>, BalancedCheckpointing>` and ranks that are processes (thread
-//!   ranks serialise their backward passes, which ZeRO 3's collectives inside them cannot
-//!   wait through).
+//!   needs `Autodiff<Parallel<B>, BalancedCheckpointing>`. Ranks that are threads of one
+//!   process run their forward and backward passes one at a time (the autodiff lock), so no
+//!   collective can run inside them: there the Learner's model keeps its units whole, and
+//!   each optimizer step cuts them to the rank's rows, reduce-scatters their gradients, steps
+//!   the rows and gathers them again (the same arithmetic, without the memory saving).
 //! - **Validation** runs on rank 0 over the whole validation set (every replica holds the same
 //!   model, so its loss is the mean over all ranks' data); the other ranks wait for it. Under
 //!   ZeRO 3 every rank runs it alongside (the units gather collectively), rank 0 records it.
-//! - **Files and progress.** Rank 0 alone renders progress and records metrics. burn-train's
-//!   checkpointer runs on every rank, each in its own directory ([`DataParallel::artifact_dir`]):
-//!   under ZeRO 1/2 a rank's optimizer record is its own shard of the moments, under ZeRO 3 its
-//!   moments of its rows; the model is saved whole under every stage (ZeRO 3 gathers it for the
-//!   save, and for the model `fit` returns).
+//! - **Files and progress.** Rank 0 alone renders progress and records metrics
+//!   ([`DataParallel::grad_norm_metric`] adds the global gradient norm). burn-train's
+//!   checkpointer runs on every rank, each in its own directory ([`DataParallel::artifact_dir`]).
+//!   The model is saved whole under every stage (ZeRO 3 gathers it for the save, and for the
+//!   model `fit` returns); the optimizer record of [`DataParallel::adamw`] holds this rank's
+//!   pieces of the moments by parameter position, so it resumes under any stage
+//!   ([`crate::moments`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsAccumulator, GradientsParams, MultiGradientsParams, Optimizer};
-use burn::tensor::Tensor;
+use burn::tensor::Device;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::LearnerSummary;
 use burn::train::metric::MetricDefinition;
@@ -65,13 +71,18 @@ use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::dp::{self, DEFAULT_BUCKET_BYTES, FlatLayout};
 use crate::fsdp::{
-    FullMoments, ShardError, ShardMoments, ZeroOptimizer, ZeroStage, gather_units,
-    gather_units_within, shard_units, unit_params,
+    ShardError, ZeroStage, gather_units, gather_units_within, reduce_scatter_unit_grads,
+    shard_units, unit_params,
 };
+use crate::grad_norm::{GradNormMetric, GradNorms};
 use crate::mesh::{Mesh, MeshError, ParallelDims};
+use crate::moments::{
+    AdaptorPositions, MomentPiece, SavedMoments, WholeMoments, restore_zero, zero_pieces,
+};
+use crate::offload::PlacedAdamW;
 use crate::pp::graphs_lock;
 use crate::replicas::{broadcast_parameters, verify_replicas};
-use crate::update::{StepOptions, Update, UpdateGroups, inner_device, lock};
+use crate::update::{StepOptions, Update, UpdateGroups, inner_device, lock, zero_optimizer};
 
 /// Why [`DataParallel`] cannot build an optimizer for a model.
 #[derive(Debug, thiserror::Error)]
@@ -79,10 +90,11 @@ pub enum StrategyError {
     #[error("{0} updates with its own sharded AdamW: use DataParallel::adamw")]
     OwnsItsOptimizer(ZeroStage),
     #[error(
-        "optimizer offload runs in ZeRO 1/2's sharded AdamW; under {0} the Burn optimizer keeps \
-         its state where the parameters are"
+        "optimizer offload keeps AdamW's moments in host memory: build the optimizer with \
+         DataParallel::adamw (a Burn optimizer of your own keeps its state where the parameters \
+         are)"
     )]
-    Offload(ZeroStage),
+    Offload,
     #[error("{0}")]
     Shard(#[from] ShardError),
 }
@@ -94,6 +106,7 @@ pub struct DataParallel {
     bucket_bytes: usize,
     max_norm: f64,
     offload: bool,
+    grad_norms: GradNorms,
 }
 
 impl DataParallel {
@@ -104,6 +117,7 @@ impl DataParallel {
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             max_norm: 0.0,
             offload: false,
+            grad_norms: GradNorms::default(),
         }
     }
 
@@ -134,6 +148,12 @@ impl DataParallel {
         &self.mesh
     }
 
+    /// The global gradient norm of every step (before clipping) as a burn-train metric:
+    /// `.metric_train_numeric(strategy.grad_norm_metric())`.
+    pub fn grad_norm_metric(&self) -> GradNormMetric {
+        self.grad_norms.metric()
+    }
+
     /// Where this rank's burn-train artifacts go: `dir` itself on rank 0 (metrics, progress
     /// logs, its checkpoints), `dir/rank-r` on rank `r` (its checkpoints: under ZeRO its shard
     /// of the optimizer state).
@@ -145,35 +165,46 @@ impl DataParallel {
     }
 
     /// AdamW for `model` as this strategy's ZeRO stage runs it: Burn's optimizer adaptor over
-    /// `adamw` (bit for bit Burn's AdamW) after DDP's all-reduce under stage 0 and on this
-    /// rank's rows under stage 3, the sharded flat AdamW under stages 1 and 2.
+    /// `adamw` (bit for bit Burn's AdamW; [`PlacedAdamW`], whose moments offload keeps in host
+    /// memory) after DDP's all-reduce under stage 0 and on this rank's rows under stage 3, the
+    /// sharded flat AdamW under stages 1 and 2. Its checkpoints resume under every stage.
     pub fn adamw<A, M>(
         &self,
         model: &M,
         adamw: FusedAdamW,
-    ) -> Result<ParallelOptimizer<A, OptimizerAdaptor<FusedAdamW, M, A>>, StrategyError>
+    ) -> Result<ParallelOptimizer<A, OptimizerAdaptor<PlacedAdamW, M, A>>, StrategyError>
     where
         A: AutodiffBackend + CollectiveBackend,
         M: AutodiffModule<A>,
     {
         let stage = self.mesh.dims().zero;
         if matches!(stage, ZeroStage::Zero0 | ZeroStage::Three) {
-            return self.with_optimizer(model, OptimizerAdaptor::from(adamw));
+            let placed = PlacedAdamW::new(adamw, self.offload);
+            let mut optimizer = self.by_tensor(model, OptimizerAdaptor::from(placed))?;
+            let units = (stage == ZeroStage::Three).then(|| self.mesh.data());
+            optimizer.moments = Some(Arc::new(AdaptorMoments {
+                positions: Mutex::new(AdaptorPositions::new(model, units)),
+                device: Mutex::new(inner_device(model)),
+                offload: self.offload,
+                pieces: AdaptorPositions::pieces,
+                restore: AdaptorPositions::restore,
+            }));
+            return Ok(optimizer);
         }
-        let mut zero = ZeroOptimizer::new(
+        let zero = zero_optimizer(
+            model,
             stage,
             self.mesh.data().clone(),
             FlatLayout::of_module(model, self.bucket_bytes),
             (adamw.clone(), adamw),
             self.offload,
-            inner_device(model),
         );
-        zero.set_params(&dp::flat_params(model));
         Ok(self.optimizer(Update::sharded(zero)))
     }
 
     /// Any Burn optimizer for `model`, stepped after DDP's all-reduce (ZeRO 0) or on this
-    /// rank's rows of the units (ZeRO 3). ZeRO 1 and 2 own their AdamW: see [`Self::adamw`].
+    /// rank's rows of the units (ZeRO 3). ZeRO 1 and 2 own their AdamW, and only AdamW
+    /// offloads: see [`Self::adamw`].
     pub fn with_optimizer<A, M, O>(
         &self,
         model: &M,
@@ -184,11 +215,25 @@ impl DataParallel {
         M: AutodiffModule<A>,
         O: Optimizer<M, A>,
     {
-        let stage = self.mesh.dims().zero;
         if self.offload {
-            return Err(StrategyError::Offload(stage));
+            return Err(StrategyError::Offload);
         }
-        let update = match stage {
+        self.by_tensor(model, optimizer)
+    }
+
+    /// `optimizer` stepping the model's tensors as they are held: whole (ZeRO 0) or a unit's
+    /// rows (ZeRO 3).
+    fn by_tensor<A, M, O>(
+        &self,
+        model: &M,
+        optimizer: O,
+    ) -> Result<ParallelOptimizer<A, O>, StrategyError>
+    where
+        A: AutodiffBackend + CollectiveBackend,
+        M: AutodiffModule<A>,
+        O: Optimizer<M, A>,
+    {
+        let update = match self.mesh.dims().zero {
             ZeroStage::Zero0 => {
                 Update::replicated(optimizer, FlatLayout::of_module(model, self.bucket_bytes))
             }
@@ -196,7 +241,7 @@ impl DataParallel {
                 let (outside, rows) = self.split_by_units::<A, M>(model)?;
                 Update::by_units(optimizer, outside, rows)
             }
-            _ => return Err(StrategyError::OwnsItsOptimizer(stage)),
+            stage => return Err(StrategyError::OwnsItsOptimizer(stage)),
         };
         Ok(self.optimizer(update))
     }
@@ -211,9 +256,6 @@ impl DataParallel {
         let data = self.mesh.data();
         if !A::recomputes_gathers() {
             return Err(ShardError::KeepsGathers);
-        }
-        if data.size() > 1 && data.transport_name() == "local" {
-            return Err(ShardError::ThreadRanks(data.size()));
         }
         let units = unit_params(model);
         if units.is_empty() {
@@ -231,11 +273,29 @@ impl DataParallel {
         Ok((FlatLayout::new(&outside, self.bucket_bytes), rows))
     }
 
+    /// Whether the Learner's model keeps its units whole under ZeRO 3: on thread ranks, which
+    /// cannot communicate inside their forward and backward passes (they run them one at a
+    /// time under the process-wide autodiff lock). Each optimizer step then cuts the units to
+    /// this rank's rows, reduce-scatters their gradients, steps the rows and gathers them
+    /// again: ZeRO 3's arithmetic without its memory saving (threads share one process's memory
+    /// anyway).
+    fn units_stay_whole(&self) -> bool {
+        let data = self.mesh.data();
+        self.mesh.dims().zero == ZeroStage::Three
+            && data.size() > 1
+            && data.transport_name() == "local"
+    }
+
     fn optimizer<A: AutodiffBackend, O>(&self, update: Update<A, O>) -> ParallelOptimizer<A, O> {
         ParallelOptimizer {
             update: Arc::new(update),
             mesh: self.mesh.clone(),
             max_norm: self.max_norm,
+            units_whole: self.units_stay_whole(),
+            moments: None,
+            saved: Arc::default(),
+            trained: Arc::default(),
+            grad_norms: self.grad_norms.clone(),
         }
     }
 }
@@ -250,7 +310,40 @@ pub struct ParallelOptimizer<A: AutodiffBackend, O> {
     update: Arc<Update<A, O>>,
     mesh: Mesh,
     max_norm: f64,
+    /// ZeRO 3 on thread ranks: the model comes and goes with its units whole (see
+    /// `DataParallel::units_stay_whole`).
+    units_whole: bool,
+    /// How the moments of `O` become a checkpoint's pieces and back, where `O` is Burn's
+    /// adaptor over [`PlacedAdamW`] (built by [`DataParallel::adamw`]).
+    moments: Option<Arc<AdaptorMoments<A, O>>>,
+    /// A checkpoint's moments, restored at the next step (the model it resumes gives their
+    /// parameters' ids and device).
+    saved: Arc<Mutex<Option<SavedMoments<A>>>>,
+    /// Whether a step followed the model the Learner trains since the optimizer was built or
+    /// loaded a record.
+    trained: Arc<AtomicBool>,
+    grad_norms: GradNorms,
 }
+
+/// The moments of Burn's optimizer adaptor over [`PlacedAdamW`] (`O`) by position.
+struct AdaptorMoments<A: AutodiffBackend, O> {
+    positions: Mutex<AdaptorPositions>,
+    /// The model's device (of its inner backend).
+    device: Mutex<Device<A::InnerBackend>>,
+    /// Whether the moments live in host memory.
+    offload: bool,
+    pieces: ReadPieces<A, O>,
+    restore: RestorePieces<A, O>,
+}
+
+/// [`AdaptorPositions::pieces`] for the adaptor `O`.
+type ReadPieces<A, O> = fn(&AdaptorPositions, &O, bool, &InnerDevice<A>) -> Vec<MomentPiece<A>>;
+
+/// [`AdaptorPositions::restore`] for the adaptor `O`.
+type RestorePieces<A, O> = fn(&AdaptorPositions, O, &WholeMoments, &InnerDevice<A>, bool) -> O;
+
+/// The device of `A`'s inner backend.
+type InnerDevice<A> = Device<<A as AutodiffBackend>::InnerBackend>;
 
 impl<A: AutodiffBackend, O> Clone for ParallelOptimizer<A, O> {
     fn clone(&self) -> Self {
@@ -258,6 +351,11 @@ impl<A: AutodiffBackend, O> Clone for ParallelOptimizer<A, O> {
             update: self.update.clone(),
             mesh: self.mesh.clone(),
             max_norm: self.max_norm,
+            units_whole: self.units_whole,
+            moments: self.moments.clone(),
+            saved: self.saved.clone(),
+            trained: self.trained.clone(),
+            grad_norms: self.grad_norms.clone(),
         }
     }
 }
@@ -279,10 +377,18 @@ pub trait SynchronizesGradients {}
 impl<A: AutodiffBackend, O> SynchronizesGradients for ParallelOptimizer<A, O> {}
 
 impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
-    /// Follows a model whose record was loaded (it took the record's parameter ids), and
-    /// takes its parameters as the sharded optimizer's master copy where it keeps one.
-    fn follow<M: AutodiffModule<A>>(&self, module: &M) {
+    /// Follows a model whose record was loaded (it took the record's parameter ids), takes
+    /// its parameters as the sharded optimizer's master copy where it keeps one, and restores
+    /// a loaded checkpoint's moments.
+    fn follow<M: AutodiffModule<A>>(&self, module: &M)
+    where
+        O: Clone,
+    {
         let specs = dp::param_specs(module);
+        if let Some(moments) = &self.moments {
+            lock(&moments.positions).follow(&specs);
+            *lock(&moments.device) = inner_device(module);
+        }
         let rebound = match &*self.update {
             Update::Replicated { layout, .. } => {
                 let units = self.update.held_by_rows(module);
@@ -297,42 +403,84 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
             }
             Update::Sharded(zero) => {
                 let mut zero = lock(zero);
-                match zero.layout().matches(&specs) {
+                let rebound = match zero.layout().matches(&specs) {
                     true => Ok(()),
-                    false => zero.rebind(&specs).map_err(|e| e.to_string()).map(|()| {
-                        zero.set_params(&dp::flat_params(module));
-                    }),
+                    false => zero.rebind(&specs).map_err(|e| e.to_string()),
+                };
+                // The start's broadcast or a loaded checkpoint replaced the parameters the
+                // master copy was taken from (it is never read between then and here).
+                if rebound.is_ok() && !self.trained.swap(true, Ordering::Relaxed) {
+                    zero.set_params(&dp::flat_params(module));
                 }
+                rebound
             }
         };
         if let Err(error) = rebound {
             panic!("data parallelism: the model no longer matches its optimizer: {error}");
         }
+        if let Some(saved) = lock(&self.saved).take()
+            && let Err(error) = self.restore(saved, &inner_device(module))
+        {
+            panic!("data parallelism, resuming the optimizer's moments: {error}");
+        }
     }
-}
 
-/// One bucket's shard of the AdamW moments in a checkpoint.
-#[derive(burn::record::Record, Debug)]
-pub struct ShardRecord<B: burn::tensor::backend::Backend> {
-    pub start: usize,
-    pub end: usize,
-    pub bucket_numel: usize,
-    pub time: usize,
-    pub exp_avg: Option<Tensor<B, 1>>,
-    pub exp_avg_sq: Option<Tensor<B, 1>>,
+    /// Puts a checkpoint's moments where this stage holds them.
+    fn restore(
+        &self,
+        saved: SavedMoments<A>,
+        device: &Device<A::InnerBackend>,
+    ) -> Result<(), String>
+    where
+        O: Clone,
+    {
+        let data = self.mesh.data();
+        match (&*self.update, &self.moments) {
+            (Update::Sharded(zero), _) => {
+                let mut zero = lock(zero);
+                let numels: Vec<usize> = (zero.layout().params_in_order().iter())
+                    .map(|p| p.numel())
+                    .collect();
+                let whole = WholeMoments::assemble(saved, &numels, data)?;
+                restore_zero(&mut zero, &whole).map_err(|e| e.to_string())
+            }
+            (Update::Replicated { optimizer, .. }, Some(moments)) => {
+                let positions = lock(&moments.positions);
+                let whole = WholeMoments::assemble(saved, &positions.numels(), data)?;
+                let mut optimizer = lock(optimizer);
+                let restored = optimizer.clone();
+                *optimizer =
+                    (moments.restore)(&positions, restored, &whole, device, moments.offload);
+                Ok(())
+            }
+            (Update::Replicated { .. }, None) => {
+                Err("this optimizer keeps its own record, not AdamW moments".to_string())
+            }
+        }
+    }
 }
 
 impl<A, M, O> Optimizer<M, A> for ParallelOptimizer<A, O>
 where
     A: AutodiffBackend,
+    A::InnerBackend: CollectiveBackend,
     M: AutodiffModule<A>,
     O: Optimizer<M, A> + Clone,
 {
-    /// The ZeRO stage that saved it, the inner optimizer's record (ZeRO 0 and 3) and this
-    /// rank's moment shards (ZeRO 1 and 2).
-    type Record = (usize, Option<O::Record>, Vec<ShardRecord<A>>);
+    /// The ZeRO stage and data-parallel degree that saved it, then either this rank's pieces of
+    /// the AdamW moments (see [`crate::moments`]; an optimizer built by
+    /// [`DataParallel::adamw`], under every stage) or the Burn optimizer's own record (any other
+    /// optimizer, under DDP or ZeRO 3).
+    type Record = (usize, usize, Option<O::Record>, Vec<MomentPiece<A>>);
 
-    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+    fn step(&mut self, lr: f64, module: M, mut grads: GradientsParams) -> M {
+        let data = self.mesh.data();
+        let module = match self.units_whole {
+            true => shard_units(module, data)
+                .and_then(|rows| reduce_scatter_unit_grads(&rows, &mut grads, data).map(|()| rows))
+                .unwrap_or_else(|e| panic!("ZeRO 3 on thread ranks, cutting the units: {e}")),
+            false => module,
+        };
         self.follow(&module);
         let ranks = self.mesh.data().size() as f64;
         let options = StepOptions {
@@ -341,87 +489,70 @@ where
             ..StepOptions::new(lr, self.max_norm)
         };
         let groups = UpdateGroups::from(&self.mesh);
-        match self.update.update(groups, module, grads, options) {
-            Ok((module, _stats)) => module,
+        let module = match self.update.update(groups, module, grads, options) {
+            Ok((module, stats)) => {
+                self.grad_norms.note(stats.grad_norm);
+                module
+            }
             Err(error) => panic!("data-parallel optimizer step: {error}"),
+        };
+        match self.units_whole {
+            true => whole_units(module, data),
+            false => module,
         }
     }
 
     fn to_record(&self) -> Self::Record {
-        let stage = usize::from(self.update.stage().level());
-        match &*self.update {
-            Update::Replicated { optimizer, .. } => {
-                (stage, Some(lock(optimizer).to_record()), vec![])
+        let stage = self.update.stage();
+        let data = self.mesh.data();
+        let (own, pieces) = match (&*self.update, &self.moments) {
+            (Update::Sharded(zero), _) => match zero_pieces(&lock(zero)) {
+                Ok(pieces) => (None, pieces),
+                Err(error) => panic!("saving the data-parallel optimizer: {error}"),
+            },
+            (Update::Replicated { optimizer, .. }, Some(moments)) => {
+                // Sharded stages write a parameter every rank holds whole from rank 0 only.
+                let writes_whole = stage == ZeroStage::Zero0 || data.rank() == 0;
+                let positions = lock(&moments.positions);
+                let optimizer = lock(optimizer);
+                let device = lock(&moments.device);
+                (
+                    None,
+                    (moments.pieces)(&positions, &optimizer, writes_whole, &device),
+                )
             }
-            Update::Sharded(zero) => {
-                let shards = lock(zero)
-                    .shard_moments()
-                    .into_iter()
-                    .map(|shard| {
-                        let (time, m1, m2) = match shard.moments {
-                            Some(m) => (
-                                m.time,
-                                Some(Tensor::from_inner(m.exp_avg)),
-                                Some(Tensor::from_inner(m.exp_avg_sq)),
-                            ),
-                            None => (0, None, None),
-                        };
-                        ShardRecord {
-                            start: shard.range.start,
-                            end: shard.range.end,
-                            bucket_numel: shard.bucket_numel,
-                            time,
-                            exp_avg: m1,
-                            exp_avg_sq: m2,
-                        }
-                    })
-                    .collect();
-                (stage, None, shards)
+            (Update::Replicated { optimizer, .. }, None) => {
+                (Some(lock(optimizer).to_record()), vec![])
             }
-        }
+        };
+        (usize::from(stage.level()), data.size(), own, pieces)
     }
 
-    fn load_record(self, (saved, replicated, shards): Self::Record) -> Self {
+    fn load_record(self, (saved, ranks, own, pieces): Self::Record) -> Self {
+        self.trained.store(false, Ordering::Relaxed);
         let stage = self.update.stage();
         let saved = u8::try_from(saved).ok().and_then(ZeroStage::from_level);
-        let sharded_moments =
-            |s: Option<ZeroStage>| matches!(s, Some(ZeroStage::One | ZeroStage::Two));
-        if saved != Some(stage) && !(sharded_moments(saved) && sharded_moments(Some(stage))) {
-            panic!(
-                "loading the data-parallel optimizer: the checkpoint was saved under {}, but \
-                 this run is {stage}: resume under the stage that saved it (ZeRO 1 and 2 share \
-                 their records; the model itself resumes under any stage)",
-                saved.map_or_else(|| "an unknown ZeRO stage".to_string(), |s| s.to_string())
-            );
-        }
-        match (&*self.update, replicated) {
-            (Update::Replicated { optimizer, .. }, Some(record)) => {
+        let saved_name =
+            || saved.map_or_else(|| "an unknown ZeRO stage".to_string(), |s| s.to_string());
+        match (own, &*self.update, &self.moments) {
+            (Some(record), Update::Replicated { optimizer, .. }, None) if saved == Some(stage) => {
                 let mut optimizer = lock(optimizer);
                 *optimizer = optimizer.clone().load_record(record);
             }
-            (Update::Sharded(zero), None) => {
-                let saved = shards
-                    .into_iter()
-                    .map(|s| ShardMoments {
-                        range: s.start..s.end,
-                        bucket_numel: s.bucket_numel,
-                        moments: match (s.exp_avg, s.exp_avg_sq) {
-                            (Some(m1), Some(m2)) => Some(FullMoments {
-                                exp_avg: m1.inner(),
-                                exp_avg_sq: m2.inner(),
-                                time: s.time,
-                            }),
-                            _ => None,
-                        },
-                    })
-                    .collect();
-                if let Err(error) = lock(zero).set_shard_moments(saved) {
-                    panic!("loading the data-parallel optimizer: {error}");
-                }
+            (Some(_), _, _) => panic!(
+                "loading the data-parallel optimizer: the checkpoint holds a Burn optimizer's own                  record, saved under {}; it resumes under that stage with the optimizer that                  saved it, and this run is {stage}",
+                saved_name()
+            ),
+            (None, Update::Sharded(_), _) | (None, Update::Replicated { .. }, Some(_)) => {
+                *lock(&self.saved) = Some(SavedMoments {
+                    whole: saved == Some(ZeroStage::Zero0),
+                    ranks,
+                    pieces,
+                });
             }
-            (_, _) => panic!(
-                "loading the data-parallel optimizer under {stage}: the record does not hold \
-                 the state that stage keeps"
+            (None, Update::Replicated { .. }, None) => panic!(
+                "loading the data-parallel optimizer: the checkpoint holds AdamW moments (saved                  under {} by an optimizer of DataParallel::adamw), but this run's optimizer was                  built by DataParallel::with_optimizer; build it with DataParallel::adamw",
+                saved_name()
             ),
         }
         self
@@ -495,7 +626,8 @@ where
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         let data = self.mesh.data();
         let leader = self.mesh.world().rank() == 0;
-        let by_units = self.mesh.dims().zero == ZeroStage::Three;
+        // ZeRO 3 whose units gather in their forward; on thread ranks the optimizer shards them.
+        let by_units = self.mesh.dims().zero == ZeroStage::Three && !self.units_stay_whole();
         identical_replicas(&mut learner, data);
         if by_units {
             let sharded = shard_units(learner.model(), data)
@@ -514,7 +646,7 @@ where
                 &train,
                 components.grad_accumulation,
                 &progress,
-                leader.then_some(&mut processor),
+                leader.then_some((&mut processor, &self.grad_norms)),
             );
             if leader || by_units {
                 valid_epoch(
@@ -616,13 +748,14 @@ fn shard_loader<B: burn::tensor::backend::Backend, I>(
     loader.slice(rank * share, (rank + 1) * share)
 }
 
-/// One epoch of training on this rank's share; `processor` on rank 0 only.
+/// One epoch of training on this rank's share; `processor` on rank 0 only, with the log of the
+/// steps' gradient norms it files for the metric.
 fn train_epoch<LC: LearningComponentsTypes>(
     learner: &mut Learner<LC>,
     loader: &TrainLoader<LC>,
     accumulation: Option<usize>,
     epoch: &Progress,
-    mut processor: Option<&mut SupervisedTrainingEventProcessor<LC>>,
+    mut processor: Option<(&mut SupervisedTrainingEventProcessor<LC>, &GradNorms)>,
 ) {
     let mut items = loader.iter();
     let mut accumulator = GradientsAccumulator::new();
@@ -647,7 +780,8 @@ fn train_epoch<LC: LearningComponentsTypes>(
             }
             None => learner.optimizer_step(output.grads),
         }
-        if let Some(processor) = processor.as_deref_mut() {
+        if let Some((processor, norms)) = processor.as_mut() {
+            norms.file(epoch.items_processed, iteration);
             let item = TrainingItem::new(
                 output.item,
                 items.progress(),
@@ -658,7 +792,7 @@ fn train_epoch<LC: LearningComponentsTypes>(
             processor.process_train(LearnerEvent::ProcessedItem(item));
         }
     }
-    if let Some(processor) = processor {
+    if let Some((processor, _)) = processor {
         processor.process_train(LearnerEvent::EndEpoch(epoch.items_processed));
     }
 }

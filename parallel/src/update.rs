@@ -25,6 +25,7 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, ReduceOp};
+use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::clip::{grad_sum_of_squares_where, scale_grads, unscale_and_clip};
 use crate::dp::{self, FlatLayout, ReduceStats, SetParams};
@@ -326,6 +327,24 @@ impl<A: AutodiffBackend, O> Update<A, O> {
             }
         }
     }
+}
+
+/// ZeRO 1–3's sharded AdamW for `model`, on its parameters' device: `halves` updates the
+/// buckets of `layout` that hold matrices and vectors (they differ in weight decay), over the
+/// data-parallel `group`; it takes the owned parts of the model's parameters where the stage
+/// keeps its own copy (stage 3, offload).
+pub fn zero_optimizer<A: AutodiffBackend, M: AutodiffModule<A>>(
+    model: &M,
+    stage: ZeroStage,
+    group: ProcessGroup,
+    layout: FlatLayout,
+    halves: (FusedAdamW, FusedAdamW),
+    offload: bool,
+) -> ZeroOptimizer<A::InnerBackend> {
+    let device = inner_device(model);
+    let mut zero = ZeroOptimizer::new(stage, group, layout, halves, offload, device);
+    zero.set_params(&dp::flat_params(model));
+    zero
 }
 
 /// The inner backend's device of `module`'s parameters (the default device for a module

@@ -7,6 +7,8 @@
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --zero 2
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --zero 3
+//! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --zero 3 \
+//!     --offload-optimizer
 //! ```
 //!
 //! Every rank starts from rank 0's parameters (ranks seed differently here to show it), trains
@@ -51,6 +53,9 @@ struct Args {
     resume: Option<usize>,
     #[arg(long, default_value_t = 1e-2)]
     lr: f64,
+    /// Keep AdamW's moments in host memory and update there (ZeRO-Offload).
+    #[arg(long)]
+    offload_optimizer: bool,
     /// Writes this rank's losses and final parameters as JSON to `FILE.rank-R.json`.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
@@ -61,7 +66,8 @@ fn main() -> anyhow::Result<()> {
     let zero = ZeroStage::from_level(args.zero)
         .with_context(|| format!("--zero {} is not a ZeRO stage (0–3)", args.zero))?;
     let env = LaunchEnv::detect(&LaunchFlags::default())?;
-    let strategy = DataParallel::from_env(ParallelDims::data(env.world_size, zero))?;
+    let strategy = DataParallel::from_env(ParallelDims::data(env.world_size, zero))?
+        .with_offload(args.offload_optimizer);
     let rank = strategy.mesh().world().rank();
     let run = Run {
         dir: args.dir,

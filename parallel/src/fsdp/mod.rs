@@ -53,10 +53,10 @@ mod state;
 mod units;
 
 pub use sharded_unit::{
-    GatherScope, ShardError, ShardedUnit, gather_units, gather_units_within, shard_units,
-    unit_params,
+    GatherScope, ShardError, ShardedUnit, gather_units, gather_units_within,
+    reduce_scatter_unit_grads, shard_units, unit_params,
 };
-pub use state::{FullMoments, Piece, ShardMoments, StateBytes};
+pub use state::{FullMoments, Piece, StateBytes};
 pub use units::{Placeholders, ShardedStep, run_sharded_forward, run_sharded_step};
 
 /// What is sharded over the data-parallel ranks (see the module table).
@@ -187,6 +187,11 @@ impl<B: Backend> ZeroOptimizer<B> {
 
     pub fn group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    /// The device of the owned parts (and of the moments, unless offloaded).
+    pub fn device(&self) -> &B::Device {
+        &self.device
     }
 
     /// Follows the parameters to new ids (a module whose record was loaded takes the record's

@@ -37,6 +37,7 @@ use std::collections::HashSet;
 use std::marker::PhantomData;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -140,12 +141,6 @@ pub enum ShardError {
          NoCheckpointing keeps them all)"
     )]
     KeepsGathers,
-    #[error(
-        "ZeRO 3 by units needs ranks that are processes (wildfire launch), not {0} threads of \
-         one process: threads run their backward passes one at a time, and a unit's gradient \
-         is reduce-scattered inside the backward pass"
-    )]
-    ThreadRanks(usize),
     #[error("{0}")]
     Comm(#[from] CommError),
 }
@@ -262,6 +257,61 @@ where
     map_unit_params(module, WholeRows(group)).map(|(module, _)| module)
 }
 
+/// Reduce-scatters the gradients of `module`'s unit parameters, computed on the units whole,
+/// to this rank's rows over the data-parallel `group` (the collective and fold order of the
+/// reduce-scatter that ZeRO 3's gather runs in the backward pass): for thread ranks, which
+/// compute on whole units because they cannot communicate inside a backward pass. `module`
+/// holds the rows, under the same ids.
+pub fn reduce_scatter_unit_grads<A, M>(
+    module: &M,
+    grads: &mut GradientsParams,
+    group: &ProcessGroup,
+) -> Result<(), ShardError>
+where
+    A: AutodiffBackend,
+    A::InnerBackend: CollectiveBackend,
+    M: AutodiffModule<A>,
+{
+    struct Scatter<'a> {
+        units: HashSet<ParamId>,
+        grads: &'a mut GradientsParams,
+        group: &'a ProcessGroup,
+        error: Option<CommError>,
+    }
+    impl<A: AutodiffBackend> ModuleVisitor<A> for Scatter<'_>
+    where
+        A::InnerBackend: CollectiveBackend,
+    {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
+            if !self.units.contains(&param.id) || self.error.is_some() {
+                return;
+            }
+            let Some(whole) = self.grads.remove::<A::InnerBackend, D>(param.id) else {
+                return;
+            };
+            let primitive = whole.into_primitive().tensor();
+            match A::InnerBackend::comm_reduce_scatter(primitive, self.group, 0) {
+                Ok(rows) => {
+                    let rows = Tensor::from_primitive(TensorPrimitive::Float(rows));
+                    self.grads.register::<A::InnerBackend, D>(param.id, rows);
+                }
+                Err(error) => self.error = Some(error),
+            }
+        }
+    }
+    let mut scatter = Scatter {
+        units: unit_params(module),
+        grads,
+        group,
+        error: None,
+    };
+    module.visit(&mut scatter);
+    match scatter.error {
+        Some(error) => Err(error.into()),
+        None => Ok(()),
+    }
+}
+
 /// What [`map_unit_params`] does to each parameter inside a unit, outside the autodiff graph
 /// (a trait, not a closure: it is generic over the tensor's rank).
 trait RowMap<B: Backend> {
@@ -273,21 +323,47 @@ trait RowMap<B: Backend> {
 }
 
 /// `module` with `map` applied to the value of every parameter inside a [`ShardedUnit`] (each
-/// becomes a new graph leaf that requires grad as before, under the autodiff lock), and how
-/// many it mapped; the first error stops it.
+/// becomes a new graph leaf that requires grad as before), and how many it mapped; the first
+/// error stops it. `map` runs on every value first, outside any lock (it may communicate, and
+/// thread ranks must not hold the autodiff lock while they wait for each other); the new leaves
+/// are then made under the lock.
 fn map_unit_params<A, M, R>(module: M, map: R) -> Result<(M, usize), ShardError>
 where
     A: AutodiffBackend,
     M: AutodiffModule<A>,
     R: RowMap<A::InnerBackend>,
 {
-    struct InUnits<R> {
+    struct MapValues<R, B: Backend> {
         map: R,
         within: Within,
-        mapped: usize,
+        values: Vec<FloatTensor<B>>,
         error: Option<ShardError>,
     }
-    impl<A: AutodiffBackend, R: RowMap<A::InnerBackend>> ModuleMapper<A> for InUnits<R> {
+    impl<A: AutodiffBackend, R: RowMap<A::InnerBackend>> ModuleVisitor<A>
+        for MapValues<R, A::InnerBackend>
+    {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.within.enter(name, container);
+        }
+        fn exit_module(&mut self, _name: &str, container: &str) {
+            self.within.exit(container);
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
+            if !self.within.in_unit() || self.error.is_some() {
+                return;
+            }
+            match self.map.map(&self.within.path(), param.val().inner()) {
+                Ok(value) => self.values.push(value.into_primitive().tensor()),
+                Err(error) => self.error = Some(error),
+            }
+        }
+    }
+    /// Puts the mapped values into the unit parameters, in the same visiting order.
+    struct PutValues<P> {
+        values: std::vec::IntoIter<P>,
+        within: Within,
+    }
+    impl<A: AutodiffBackend> ModuleMapper<A> for PutValues<FloatTensor<A::InnerBackend>> {
         fn enter_module(&mut self, name: &str, container: &str) {
             self.within.enter(name, container);
         }
@@ -295,38 +371,36 @@ where
             self.within.exit(container);
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<A, D>>) -> Param<Tensor<A, D>> {
-            if !self.within.in_unit() || self.error.is_some() {
+            if !self.within.in_unit() {
                 return param;
             }
             let (id, tensor, mapper) = param.consume();
-            match self.map.map(&self.within.path(), tensor.clone().inner()) {
-                Ok(value) => {
-                    self.mapped += 1;
-                    let require_grad = tensor.is_require_grad();
-                    let value = Tensor::from_inner(value).set_require_grad(require_grad);
-                    Param::from_mapped_value(id, value, mapper)
-                }
-                Err(error) => {
-                    self.error = Some(error);
-                    Param::from_mapped_value(id, tensor, mapper)
-                }
-            }
+            let value = self
+                .values
+                .next()
+                .expect("one mapped value per unit parameter");
+            let value = Tensor::<A::InnerBackend, D>::from_primitive(TensorPrimitive::Float(value));
+            let value = Tensor::from_inner(value).set_require_grad(tensor.is_require_grad());
+            Param::from_mapped_value(id, value, mapper)
         }
     }
-    let mut in_units = InUnits {
+    let mut mapped = MapValues {
         map,
         within: Within::default(),
-        mapped: 0,
+        values: Vec::new(),
         error: None,
     };
-    let module = {
-        let _lock = graphs_lock();
-        module.map(&mut in_units)
-    };
-    match in_units.error {
-        Some(error) => Err(error),
-        None => Ok((module, in_units.mapped)),
+    module.visit(&mut mapped);
+    if let Some(error) = mapped.error {
+        return Err(error);
     }
+    let count = mapped.values.len();
+    let mut put = PutValues {
+        values: mapped.values.into_iter(),
+        within: Within::default(),
+    };
+    let _lock = graphs_lock();
+    Ok((module.map(&mut put), count))
 }
 
 /// All-gathers every parameter it maps (a unit's, in [`ShardedUnit::forward`]), as a node whose

@@ -2,16 +2,13 @@
 //! pieces a checkpoint stores, and restoring moments from a checkpoint's whole tensors.
 
 use std::collections::HashMap;
-use std::ops::Range;
 
 use burn::module::ParamId;
 use burn::optim::AdamWState;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::{
-    Flat, Moments, ZeroError, ZeroOptimizer, ZeroStage, from_host, intersect, owned_part, to_host,
-};
+use super::{Flat, Moments, ZeroError, ZeroOptimizer, ZeroStage, intersect, owned_part, to_host};
 
 /// Bytes a rank holds for its model state (f32), by kind and by memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,16 +42,6 @@ pub struct Piece {
     pub time: usize,
 }
 
-/// This rank's AdamW moments of one bucket, as a checkpoint of the sharded optimizer keeps them:
-/// the owned elements `range` of a bucket of `bucket_numel`, and the moments once a step made
-/// them.
-#[derive(Debug, Clone)]
-pub struct ShardMoments<B: Backend> {
-    pub range: Range<usize>,
-    pub bucket_numel: usize,
-    pub moments: Option<FullMoments<B>>,
-}
-
 /// AdamW moments of one whole parameter (flat), to restore from.
 #[derive(Debug, Clone)]
 pub struct FullMoments<B: Backend> {
@@ -64,72 +51,6 @@ pub struct FullMoments<B: Backend> {
 }
 
 impl<B: Backend> ZeroOptimizer<B> {
-    /// This rank's moments of every bucket, in bucket order (on the device).
-    pub fn shard_moments(&self) -> Vec<ShardMoments<B>> {
-        let layout = &self.layout;
-        layout
-            .buckets
-            .iter()
-            .zip(&self.shards)
-            .map(|(bucket, shard)| ShardMoments {
-                range: shard.range.clone(),
-                bucket_numel: bucket.numel,
-                moments: shard.moments.as_ref().map(|moments| match moments {
-                    Moments::Device(s) => FullMoments {
-                        exp_avg: s.momentum.moment_1.clone(),
-                        exp_avg_sq: s.momentum.moment_2.clone(),
-                        time: s.momentum.time,
-                    },
-                    Moments::Host(s) => FullMoments {
-                        exp_avg: from_host(s.momentum.moment_1.clone(), &self.device),
-                        exp_avg_sq: from_host(s.momentum.moment_2.clone(), &self.device),
-                        time: s.momentum.time,
-                    },
-                }),
-            })
-            .collect()
-    }
-
-    /// Restores moments saved by [`Self::shard_moments`] on a rank that owns the same elements
-    /// of the same buckets (the same data-parallel rank and degree, and stage 1 or 2, which
-    /// shard alike); anything else is an error that names both layouts.
-    pub fn set_shard_moments(&mut self, saved: Vec<ShardMoments<B>>) -> Result<(), ZeroError> {
-        let mine: Vec<(Range<usize>, usize)> = (self.layout.buckets.iter().zip(&self.shards))
-            .map(|(b, s)| (s.range.clone(), b.numel))
-            .collect();
-        let theirs: Vec<(Range<usize>, usize)> = saved
-            .iter()
-            .map(|s| (s.range.clone(), s.bucket_numel))
-            .collect();
-        if mine != theirs {
-            return Err(ZeroError::State(format!(
-                "the saved optimizer owns (elements, of bucket size) {theirs:?}, but this rank \
-                 ({}, data-parallel rank {} of {}) owns {mine:?}: resume with the data-parallel \
-                 degree, ZeRO stage (1 and 2 shard alike) and model that saved it",
-                self.stage,
-                self.group.rank(),
-                self.group.size()
-            )));
-        }
-        for (shard, saved) in self.shards.iter_mut().zip(saved) {
-            shard.moments = saved.moments.map(|m| {
-                let state =
-                    burn::optim::AdaptiveMomentumState::new(m.time, m.exp_avg, m.exp_avg_sq);
-                match self.offload {
-                    true => Moments::Host(Box::new(AdamWState::new(
-                        burn::optim::AdaptiveMomentumState::new(
-                            state.time,
-                            to_host(state.moment_1),
-                            to_host(state.moment_2),
-                        ),
-                    ))),
-                    false => Moments::Device(AdamWState::new(state)),
-                }
-            });
-        }
-        Ok(())
-    }
-
     /// Restores the moments of every bucket whose parameters all appear in `moments` (a
     /// checkpoint's whole, flat moments by parameter id).
     pub fn set_moments(

@@ -16,8 +16,8 @@ use wildfire_backend::comm::{
     CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges,
 };
 use wildfire_backend::kernels::matmul::set_matmul_precision;
-use wildfire_parallel::dp::{self, FlatLayout};
-use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage};
+use wildfire_parallel::dp::FlatLayout;
+use wildfire_parallel::fsdp::{Placeholders, ZeroStage};
 use wildfire_parallel::mesh::{Mesh, ParallelDims, PipelinePlan};
 use wildfire_parallel::pp::graphs_lock;
 
@@ -28,7 +28,7 @@ use super::{
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use wildfire_parallel::replicas::verify_replicas;
-use wildfire_parallel::update::{Update, device_inner, inner_device};
+use wildfire_parallel::update::{Update, device_inner, zero_optimizer};
 
 use crate::checkpoint::ModelLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
@@ -370,15 +370,14 @@ fn run_rank<B: TrainBackend>(
             Optimizers::replicated(optimizer, FlatLayout::of_module(&model, bucket_bytes))
         }
         _ => {
-            let mut zero = ZeroOptimizer::new(
+            let mut zero = zero_optimizer(
+                &model,
                 stage,
                 data.clone(),
                 zero_layout(&model, stage, bucket_bytes),
                 adamw.halves(),
                 parallel.offload_optimizer,
-                inner_device(&model),
             );
-            zero.set_params(&dp::flat_params(&model));
             if let Some(loaded) = &resumed {
                 zero.set_moments(&loaded.moments_by_id(&model, &layout.plan)?)?;
             }
