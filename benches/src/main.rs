@@ -3,6 +3,7 @@
 mod activations;
 mod alloc;
 mod comm;
+mod data;
 mod decorator;
 mod dp;
 mod kernels;
@@ -42,6 +43,8 @@ enum Command {
     Comm(comm::CommArgs),
     /// The cost of the `Parallel<B>` decorator with no override active, against the bare backend.
     Decorator(decorator::DecoratorArgs),
+    /// Batches per second read from a prepared data directory (see benches/data.sh).
+    Data(data::DataArgs),
     /// Training throughput of the tiny GPT on CPU (1 and 2 threads), optionally against PyTorch.
     Train(train::TrainArgs),
     /// Pipeline parallelism: measured bubble against theory; 1F1B's stored activations and
@@ -83,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         Command::Comm(args) => comm::run(args),
         Command::CommWorker(args) => comm::worker(args),
         Command::Decorator(args) => decorator::run(args),
+        Command::Data(args) => data::run(args),
         Command::Pp(args) => pp::run(args),
         Command::Memory(args) => memory::run(args),
         Command::Activations(args) => activations::run(args),

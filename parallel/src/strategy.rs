@@ -540,7 +540,9 @@ where
                 *optimizer = optimizer.clone().load_record(record);
             }
             (Some(_), _, _) => panic!(
-                "loading the data-parallel optimizer: the checkpoint holds a Burn optimizer's own                  record, saved under {}; it resumes under that stage with the optimizer that                  saved it, and this run is {stage}",
+                "loading the data-parallel optimizer: the checkpoint holds a Burn optimizer's own \
+                 record, saved under {}; it resumes under that stage with the optimizer that \
+                 saved it, and this run is {stage}",
                 saved_name()
             ),
             (None, Update::Sharded(_), _) | (None, Update::Replicated { .. }, Some(_)) => {
@@ -551,7 +553,9 @@ where
                 });
             }
             (None, Update::Replicated { .. }, None) => panic!(
-                "loading the data-parallel optimizer: the checkpoint holds AdamW moments (saved                  under {} by an optimizer of DataParallel::adamw), but this run's optimizer was                  built by DataParallel::with_optimizer; build it with DataParallel::adamw",
+                "loading the data-parallel optimizer: the checkpoint holds AdamW moments (saved \
+                 under {} by an optimizer of DataParallel::adamw), but this run's optimizer was \
+                 built by DataParallel::with_optimizer; build it with DataParallel::adamw",
                 saved_name()
             ),
         }

@@ -16,7 +16,7 @@ use crate::CpuBackend;
 use crate::config::RunConfig;
 use crate::config::{ActivationCheckpointing, Transport};
 use crate::model::{Gpt, StageSpec};
-use crate::{checkpoint, generate, hf, train};
+use crate::{checkpoint, data, generate, hf, train};
 
 #[derive(Debug, Parser)]
 #[command(name = "wildfire", version, about = "Distributed LLM training on Burn")]
@@ -31,12 +31,48 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Check every collective with rank-stamped data, exactly, on this job's ranks.
     CommCheck(CommCheckArgs),
+    /// Tokenise text files, directories and JSON lines into token shards that `train --data`
+    /// reads through memory maps.
+    Prepare(PrepareArgs),
     /// Train a GPT (default: the tiny model on the bundled Shakespeare, on CPU).
     Train(TrainArgs),
     /// Sample text from a checkpoint.
     Generate(GenerateArgs),
     /// Write a checkpoint's model in another format.
     Export(ExportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// Text files (one document each), directories (their files in path order) and `.jsonl`
+    /// files (one document per line); repeatable.
+    #[arg(long = "input", value_name = "PATH", required = true, num_args = 1..)]
+    pub inputs: Vec<PathBuf>,
+    /// The directory to write; it must not exist yet.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    #[arg(long, value_parser = ["char", "gpt2"], default_value = "gpt2")]
+    pub tokenizer: String,
+    /// Fraction of the documents held out for validation (drawn per document from --seed).
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// The field of a JSON line that holds the document's text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Skip documents that are not UTF-8 (counted in the manifest) instead of failing.
+    #[arg(long)]
+    pub skip_invalid: bool,
+    /// Token ids as `u16` or `u32` (default: the narrowest that holds the vocabulary).
+    #[arg(long, value_parser = ["u16", "u32"])]
+    pub dtype: Option<String>,
+    /// Tokens per shard file at most.
+    #[arg(long, default_value_t = 1 << 28)]
+    pub shard_tokens: u64,
+    /// Encoding threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -51,7 +87,8 @@ pub struct TrainArgs {
     /// the config saved there; --set still applies, except to keys the continuation depends on.
     #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
-    /// The corpus: a text file, or a directory of them (sets data.path).
+    /// The corpus: a text file, a directory of them, or a directory `wildfire prepare` wrote
+    /// (sets data.path).
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
@@ -312,6 +349,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Launch(args) => run_launch(args),
         Command::CommCheck(args) => run_comm_check(args),
+        Command::Prepare(args) => run_prepare(args),
         Command::Train(args) => run_train(args),
         Command::Generate(args) => run_generate(args),
         Command::Export(args) => run_export(args),
@@ -327,6 +365,43 @@ fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
             .with_context(|| format!("run.threads = {n}: the thread pool is already running"))?;
     }
     Ok(())
+}
+
+fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
+    use std::io::IsTerminal;
+    set_threads(args.threads)?;
+    let options = data::PrepareOptions {
+        inputs: args.inputs,
+        out: args.out,
+        tokenizer: match args.tokenizer.as_str() {
+            "char" => data::TokenizerKind::Char,
+            _ => data::TokenizerKind::Gpt2,
+        },
+        val_fraction: args.val_fraction,
+        seed: args.seed,
+        text_field: args.text_field,
+        skip_invalid: args.skip_invalid,
+        dtype: args.dtype.map(|d| match d.as_str() {
+            "u16" => data::TokenDtype::U16,
+            _ => data::TokenDtype::U32,
+        }),
+        shard_tokens: args.shard_tokens,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let manifest = data::prepare(&options)?;
+    println!(
+        "prepared {} training and {} validation documents ({} and {} tokens, {:?}, {} shards; \
+         {} skipped) into {}",
+        manifest.documents.train,
+        manifest.documents.val,
+        manifest.tokens(data::Split::Train),
+        manifest.tokens(data::Split::Val),
+        manifest.dtype,
+        manifest.shards.len(),
+        manifest.skipped_documents,
+        options.out.display()
+    );
+    Ok(0)
 }
 
 fn run_train(args: TrainArgs) -> anyhow::Result<i32> {

@@ -12,5 +12,6 @@ mod data_parallel;
 mod fused_ops;
 mod pipeline;
 mod precision;
+mod prepare;
 mod recipe;
 mod tensor_parallel;

@@ -67,6 +67,9 @@ pub struct TrainState {
     pub tokenizer: TokenizerKind,
     /// The character vocabulary (empty for GPT-2 BPE).
     pub vocab: String,
+    /// The manifest hash of the prepared data the run trains on (none for a text corpus).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_hash: Option<String>,
     /// Where the training data stream continues.
     pub cursor: Cursor,
     /// The backend RNG is reseeded from `(seed, step)` before every step, so this seed and

@@ -41,7 +41,8 @@ pub fn load_text(path: &Path) -> anyhow::Result<String> {
     Ok(text)
 }
 
-fn collect_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+/// Every file under `dir` (recursively; dot files and symlinked directories left out), unsorted.
+pub(super) fn collect_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     for entry in fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
         let entry = entry?;
         let path = entry.path();

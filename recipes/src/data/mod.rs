@@ -1,9 +1,18 @@
-//! Training data: the corpus on disk, tokenizers, and the sharded, resumable window sampler.
+//! Training data: the corpus on disk, tokenizers, prepared token shards (`wildfire prepare`)
+//! read through memory maps, and the sharded, resumable window sampler.
 
 mod corpus;
+mod gpt2;
+mod prepare;
+mod prepared;
 mod sampler;
 mod tokenizer;
 
 pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
+pub use prepare::{CHAR_END_OF_TEXT, PrepareOptions, prepare};
+pub use prepared::{
+    DocumentCounts, MANIFEST, Manifest, Prepared, ShardEntry, Split, TokenDtype, Tokens,
+    is_prepared,
+};
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};
-pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind};
+pub use tokenizer::{GPT2_END_OF_TEXT, Tokenizer, TokenizerError, TokenizerKind};

@@ -1,9 +1,9 @@
 //! Tokenizers: character-level (the vocabulary is the corpus's distinct characters, in code-point
 //! order) and GPT-2's byte-level BPE (tiktoken's `r50k_base`, whose ranks ship inside the
-//! tiktoken-rs crate, so nothing is downloaded).
+//! tiktoken-rs crate, so nothing is downloaded; encoded by [`super::gpt2`]).
 
+use super::gpt2::Gpt2Bpe;
 use serde::{Deserialize, Serialize};
-use tiktoken_rs::CoreBPE;
 
 /// Which tokenizer a run uses; stored in the run's config and checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -11,6 +11,15 @@ use tiktoken_rs::CoreBPE;
 pub enum TokenizerKind {
     Char,
     Gpt2,
+}
+
+impl std::fmt::Display for TokenizerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Char => "char",
+            Self::Gpt2 => "gpt2",
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +38,7 @@ pub enum Tokenizer {
     Char {
         chars: Vec<char>,
     },
-    Gpt2(Box<CoreBPE>),
+    Gpt2(Box<Gpt2Bpe>),
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -43,6 +52,8 @@ impl std::fmt::Debug for Tokenizer {
 
 /// GPT-2's vocabulary size (50,000 merges, 256 bytes, `<|endoftext|>`).
 pub const GPT2_VOCAB: usize = 50257;
+/// GPT-2's `<|endoftext|>`.
+pub const GPT2_END_OF_TEXT: u32 = 50256;
 
 impl Tokenizer {
     /// A character tokenizer over the distinct characters of `text`.
@@ -61,9 +72,9 @@ impl Tokenizer {
     }
 
     pub fn gpt2() -> Result<Self, TokenizerError> {
-        tiktoken_rs::r50k_base()
+        Gpt2Bpe::load()
             .map(|bpe| Self::Gpt2(Box::new(bpe)))
-            .map_err(|e| TokenizerError::Bpe(e.to_string()))
+            .map_err(TokenizerError::Bpe)
     }
 
     pub fn kind(&self) -> TokenizerKind {
@@ -102,7 +113,7 @@ impl Tokenizer {
                     })
                 })
                 .collect(),
-            Self::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+            Self::Gpt2(bpe) => Ok(bpe.encode(text)),
         }
     }
 
@@ -128,11 +139,7 @@ impl Tokenizer {
                         size: GPT2_VOCAB,
                     });
                 }
-                let bytes: Vec<u8> = bpe
-                    ._decode_native_and_split(ids.to_vec())
-                    .flatten()
-                    .collect();
-                Ok(String::from_utf8_lossy(&bytes).into_owned())
+                Ok(String::from_utf8_lossy(&bpe.decode_bytes(ids)).into_owned())
             }
         }
     }

@@ -11,7 +11,7 @@ use burn::train::{InferenceStep, TrainOutput, TrainStep};
 use wildfire_parallel::pp::PipelineChunk;
 
 use crate::TrainBackend;
-use crate::data::Sampler;
+use crate::data::{Sampler, Tokens};
 use crate::logging::StepOutput;
 use crate::model::{Gpt, GptChunks};
 use wildfire_backend::DecoratedBackend;
@@ -28,15 +28,17 @@ pub struct TokenBatch<B: Backend> {
 impl<B: Backend> TokenBatch<B> {
     /// The windows of `context + 1` tokens starting at `starts`.
     pub fn from_windows(
-        tokens: &[u32],
+        tokens: &Tokens,
         starts: &[usize],
         context: usize,
         device: &B::Device,
     ) -> Self {
         let mut inputs = Vec::with_capacity(starts.len() * context);
         let mut targets = Vec::with_capacity(starts.len() * context);
+        let mut window = Vec::with_capacity(context + 1);
         for &start in starts {
-            let window = &tokens[start..start + context + 1];
+            window.clear();
+            tokens.extend_from(start, context + 1, &mut window);
             inputs.extend(window[..context].iter().map(|&t| t as i64));
             targets.extend(window[1..].iter().map(|&t| t as i64));
         }
@@ -148,7 +150,7 @@ impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
 /// training loop, which saves its cursor in checkpoints.
 #[derive(Debug, Clone)]
 pub struct TrainLoader<B: Backend> {
-    tokens: Arc<Vec<u32>>,
+    tokens: Tokens,
     sampler: Arc<Mutex<Sampler>>,
     micro_batch: usize,
     context: usize,
@@ -158,7 +160,7 @@ pub struct TrainLoader<B: Backend> {
 
 impl<B: Backend> TrainLoader<B> {
     pub fn new(
-        tokens: Arc<Vec<u32>>,
+        tokens: Tokens,
         sampler: Arc<Mutex<Sampler>>,
         micro_batch: usize,
         context: usize,
@@ -247,7 +249,9 @@ impl<B: Backend> DataLoader<B, TokenBatch<B>> for TrainLoader<B> {
 /// tokens, in order, so every evaluation measures the same data.
 #[derive(Debug, Clone)]
 pub struct EvalLoader<B: Backend> {
-    tokens: Arc<Vec<u32>>,
+    tokens: Tokens,
+    /// Where the first window starts (a slice of the loader starts later).
+    first: usize,
     micro_batch: usize,
     context: usize,
     batches: usize,
@@ -257,7 +261,7 @@ pub struct EvalLoader<B: Backend> {
 impl<B: Backend> EvalLoader<B> {
     /// As many of `batches` as the validation tokens hold (at least one window each).
     pub fn new(
-        tokens: Arc<Vec<u32>>,
+        tokens: Tokens,
         micro_batch: usize,
         context: usize,
         batches: usize,
@@ -267,6 +271,7 @@ impl<B: Backend> EvalLoader<B> {
         let batches = batches.min(windows.div_ceil(micro_batch));
         Self {
             tokens,
+            first: 0,
             micro_batch,
             context,
             batches,
@@ -275,10 +280,10 @@ impl<B: Backend> EvalLoader<B> {
     }
 
     fn batch(&self, index: usize) -> TokenBatch<B> {
-        let windows = (self.tokens.len() - 1) / self.context;
+        let windows = (self.tokens.len() - self.first - 1) / self.context;
         let first = index * self.micro_batch;
         let starts: Vec<usize> = (first..(first + self.micro_batch).min(windows))
-            .map(|w| w * self.context)
+            .map(|w| self.first + w * self.context)
             .collect();
         TokenBatch::from_windows(&self.tokens, &starts, self.context, &self.device)
     }
@@ -327,9 +332,8 @@ impl<B: Backend> DataLoader<B, TokenBatch<B>> for EvalLoader<B> {
     fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, TokenBatch<B>>> {
         let batches = end.min(self.batches).saturating_sub(start);
         let skip = start * self.micro_batch * self.context;
-        let tokens = Arc::new(self.tokens[skip.min(self.tokens.len())..].to_vec());
         Arc::new(Self {
-            tokens,
+            first: (self.first + skip).min(self.tokens.len().saturating_sub(1)),
             batches,
             ..self.clone()
         })

@@ -34,7 +34,7 @@ use crate::checkpoint::ModelLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::ActivationCheckpointing;
 use crate::config::{RunConfig, Transport, check_same_model};
-use crate::data::{Sampler, Splits, Tokenizer, TokenizerKind, load_text};
+use crate::data::{self, Sampler, Splits, Tokenizer, TokenizerKind, Tokens, load_text};
 use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
@@ -97,14 +97,29 @@ fn check_run_dir(run_dir: &Path, resume: bool) -> anyhow::Result<Option<PathBuf>
     }
 }
 
-/// The corpus as tokens, with the tokenizer and the model sizes it implies.
+/// The training and validation tokens, with the tokenizer and the model sizes they imply.
 struct Data {
     tokenizer: Tokenizer,
     model: GptConfig,
-    splits: Splits,
+    train: Tokens,
+    val: Tokens,
+    /// The manifest hash of prepared data (none for a text corpus).
+    hash: Option<String>,
 }
 
+/// The config's data: a prepared directory (see [`data::Prepared`]), or a text corpus
+/// tokenised here, its last `data.val_fraction` of tokens held out.
 fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<Data> {
+    if data::is_prepared(&config.data.path) {
+        return prepared_data(config, resumed);
+    }
+    if let Some(hash) = resumed.and_then(|loaded| loaded.state.data_hash.as_ref()) {
+        bail!(
+            "the run was trained on prepared data (manifest sha256 {hash}), but data.path {} is \
+             not a prepared directory: resume with the data it was trained on",
+            config.data.path.display()
+        );
+    }
     let text = load_text(&config.data.path)?;
     let tokenizer = match (config.data.tokenizer, resumed) {
         (TokenizerKind::Char, Some(loaded)) => Tokenizer::from_chars(&loaded.state.vocab),
@@ -125,7 +140,64 @@ fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<
     Ok(Data {
         tokenizer,
         model,
-        splits,
+        train: Tokens::Memory(Arc::new(splits.train)),
+        val: Tokens::Memory(Arc::new(splits.val)),
+        hash: None,
+    })
+}
+
+/// A prepared directory's data: its tokenizer must be the config's, and a resumed run's data
+/// must be the data it trained on (the manifest names every shard's hash).
+fn prepared_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<Data> {
+    let path = &config.data.path;
+    let prepared = data::Prepared::open(path)?;
+    let manifest = &prepared.manifest;
+    if manifest.tokenizer != config.data.tokenizer {
+        bail!(
+            "data.path {} was prepared with the {} tokenizer, but data.tokenizer = {}: set \
+             data.tokenizer = \"{}\"",
+            path.display(),
+            manifest.tokenizer,
+            config.data.tokenizer,
+            manifest.tokenizer
+        );
+    }
+    if let Some(loaded) = resumed {
+        let trained_on = loaded.state.data_hash.as_deref();
+        if trained_on != Some(prepared.hash.as_str()) {
+            bail!(
+                "data.path {} was prepared differently from the data this run trained on \
+                 (manifest sha256 {}, the checkpoint's {}): resume with the data it trained on",
+                path.display(),
+                prepared.hash,
+                trained_on.unwrap_or("none: it trained on a text corpus")
+            );
+        }
+    }
+    let tokenizer = match manifest.tokenizer {
+        TokenizerKind::Char => Tokenizer::from_chars(&manifest.vocab),
+        TokenizerKind::Gpt2 => Tokenizer::gpt2()?,
+    };
+    let model = config.model.resolve(tokenizer.vocab_size())?;
+    if let Some(loaded) = resumed {
+        check_same_model(&loaded.state.model, &model)?;
+    }
+    let window = model.context + 1;
+    let (train, val) = (prepared.train.len(), prepared.val.len());
+    if train < window || (config.train.eval_every > 0 && val < window) {
+        bail!(
+            "data.path {} holds {train} training and {val} validation tokens; each needs at \
+             least context + 1 = {window} (prepare with a larger --val-fraction, or set \
+             train.eval_every = 0 to train without evaluation)",
+            path.display()
+        );
+    }
+    Ok(Data {
+        tokenizer,
+        model,
+        train: prepared.train,
+        val: prepared.val,
+        hash: Some(prepared.hash),
     })
 }
 
@@ -266,7 +338,9 @@ fn run_rank<B: TrainBackend>(
     let Data {
         tokenizer,
         model: model_config,
-        splits,
+        train,
+        val,
+        hash,
     } = prepare_data(&config, resumed.as_ref())?;
     dims.check_tensor_parallel(model_config.n_head, model_config.context)?;
     let checkpointing = config.train.activation_checkpointing;
@@ -296,7 +370,7 @@ fn run_rank<B: TrainBackend>(
             model_config.dropout
         );
     }
-    let (n_train, n_val) = (splits.train.len(), splits.val.len());
+    let (n_train, n_val) = (train.len(), val.len());
     let plan = dims.pipeline(
         parallel.schedule_kind()?,
         parallel.virtual_stages,
@@ -443,6 +517,7 @@ fn run_rank<B: TrainBackend>(
             model: model_config.clone(),
             tokenizer: tokenizer.kind(),
             vocab: tokenizer.vocab_string(),
+            data_hash: hash,
             cursor: Default::default(),
             rng_seed: config.train.seed,
             schedule_step: start_step,
@@ -475,17 +550,11 @@ fn run_rank<B: TrainBackend>(
     let context = model_config.context;
     let micro = config.train.micro_batch;
     let max_steps = config.train.max_steps as usize;
-    let train_loader = TrainLoader::<B>::new(
-        Arc::new(splits.train),
-        sampler,
-        micro,
-        context,
-        max_steps,
-        device.clone(),
-    );
+    let train_loader =
+        TrainLoader::<B>::new(train, sampler, micro, context, max_steps, device.clone());
     let eval_batches = config.train.eval_batches;
     let eval_loader = EvalLoader::new(
-        Arc::new(splits.val),
+        val,
         micro,
         context,
         eval_batches,
