@@ -379,6 +379,51 @@ fn training_on_prepared_data_resumes_bitwise_and_refuses_other_data() {
     let refused = train(&["--resume"], false);
     assert!(refused.contains("was prepared differently"), "{refused}");
 
+    // A blend of this data and a second preparation of it (another split: the same characters,
+    // as a blend's parts need), 0.7 : 0.3, trains and resumes bitwise.
+    let second = dir.join("second");
+    let (input_arg, second_arg) = (input.display().to_string(), second.display().to_string());
+    let args = [
+        "prepare",
+        "--input",
+        &input_arg,
+        "--out",
+        &second_arg,
+        "--tokenizer",
+        "char",
+    ];
+    wildfire(
+        &strings(&[&args[..], &["--seed", "99", "--val-fraction", "0.5"]].concat()),
+        true,
+    );
+    let blended = dir.join("blended");
+    let blend_run = |resume: bool| {
+        let spec = format!("{data_arg}:0.7,{second_arg}:0.3");
+        let mut args = strings(&["train", "--data", &spec]);
+        for set in [
+            format!("run.dir={}", blended.display()),
+            "model.context=16".into(),
+            "train.micro_batch=4".into(),
+            "train.max_steps=6".into(),
+            "train.eval_every=0".into(),
+            "checkpoint.every=3".into(),
+            "checkpoint.keep_last=0".into(),
+            "run.threads=1".into(),
+        ] {
+            args.extend(["--set".into(), set]);
+        }
+        if resume {
+            args.push("--resume".into());
+        }
+        wildfire(&args, true)
+    };
+    blend_run(false);
+    let straight = losses(&blended);
+    assert_eq!(straight.len(), 6);
+    crate::common::remove_checkpoints(&blended, 6..=6);
+    blend_run(true);
+    assert_eq!(losses(&blended), straight, "resumed on a blend");
+
     let fresh = format!("run.dir={}", dir.join("fresh").display());
     let other = train(&["--set", &fresh, "--set", "data.tokenizer=gpt2"], false);
     assert!(

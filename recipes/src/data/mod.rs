@@ -11,7 +11,7 @@ mod tokenizer;
 pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
 pub use prepare::{CHAR_END_OF_TEXT, PrepareOptions, prepare};
 pub use prepared::{
-    DocumentCounts, MANIFEST, Manifest, Prepared, ShardEntry, Split, TokenDtype, Tokens,
+    Blend, DocumentCounts, MANIFEST, Manifest, Prepared, ShardEntry, Split, TokenDtype, Tokens,
     is_prepared,
 };
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};

@@ -169,6 +169,88 @@ impl Prepared {
     }
 }
 
+/// A weighted blend of prepared directories (`data.path = "DIR:WEIGHT,DIR:WEIGHT,…"`, as
+/// Megatron's `--data-path` blends): their training streams one after another, each drawn with
+/// its weight by [`super::Sampler::blended`]; validation is their validation streams in turn.
+#[derive(Debug, Clone)]
+pub struct Blend {
+    pub parts: Vec<Prepared>,
+    pub weights: Vec<f64>,
+    /// Where each part's training tokens start in `train`.
+    pub bases: Vec<usize>,
+    pub train: Tokens,
+    pub val: Tokens,
+    /// Hex SHA-256 over the parts' manifest hashes and weights: what a checkpoint records.
+    pub hash: String,
+}
+
+impl Blend {
+    /// The blend `spec` names, when it is one: `DIR:WEIGHT` pairs separated by commas (two at
+    /// least, or one with a weight), every weight a number.
+    pub fn parse(spec: &str) -> Option<Vec<(PathBuf, f64)>> {
+        let parts: Option<Vec<(PathBuf, f64)>> = (spec.split(','))
+            .map(|part| {
+                let (dir, weight) = part.rsplit_once(':')?;
+                Some((PathBuf::from(dir), weight.trim().parse().ok()?))
+            })
+            .collect();
+        parts.filter(|p| !p.is_empty())
+    }
+
+    /// Opens every part (see [`Prepared::open`]); they must share tokenizer, vocabulary and
+    /// dtype.
+    pub fn open(spec: &[(PathBuf, f64)]) -> anyhow::Result<Self> {
+        let parts: Vec<Prepared> = (spec.iter())
+            .map(|(dir, _)| {
+                Prepared::open(dir).with_context(|| format!("blend part {}", dir.display()))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let first = &parts[0].manifest;
+        for (part, (dir, _)) in parts.iter().zip(spec).skip(1) {
+            let m = &part.manifest;
+            if (m.tokenizer, &m.vocab, m.dtype) != (first.tokenizer, &first.vocab, first.dtype) {
+                bail!(
+                    "blend part {} was prepared with the {} tokenizer ({} ids, {:?}), but {} with \
+                     the {} tokenizer ({} ids, {:?}): a blend's parts must share a tokenizer",
+                    dir.display(),
+                    m.tokenizer,
+                    m.vocab_size,
+                    m.dtype,
+                    spec[0].0.display(),
+                    first.tokenizer,
+                    first.vocab_size,
+                    first.dtype
+                );
+            }
+        }
+        let weights: Vec<f64> = spec.iter().map(|(_, w)| *w).collect();
+        if let Some(bad) = weights.iter().find(|w| !(**w > 0.0 && w.is_finite())) {
+            bail!("blend weights must be positive numbers, not {bad}");
+        }
+        let in_turn: Vec<(&Path, &Manifest)> = (parts.iter())
+            .map(|p| (p.dir.as_path(), &p.manifest))
+            .collect();
+        let bases = (parts.iter())
+            .scan(0, |next, p| {
+                *next += p.train.len();
+                Some(*next - p.train.len())
+            })
+            .collect();
+        let mut hasher = Sha256::new();
+        for (part, weight) in parts.iter().zip(&weights) {
+            hasher.update(format!("{}:{weight};", part.hash));
+        }
+        Ok(Self {
+            train: Tokens::mapped_in_turn(&in_turn, Split::Train)?,
+            val: Tokens::mapped_in_turn(&in_turn, Split::Val)?,
+            hash: hex(&hasher.finalize()),
+            bases,
+            weights,
+            parts,
+        })
+    }
+}
+
 /// Checks that `shard` has the size its token count gives and the SHA-256 its entry records.
 fn check_shard(dir: &Path, shard: &ShardEntry, dtype: TokenDtype) -> anyhow::Result<()> {
     let path = dir.join(&shard.file);
@@ -229,9 +311,18 @@ pub struct MappedTokens {
 impl Tokens {
     /// The mapped shards of `split` of the prepared `dir`.
     fn mapped(dir: &Path, manifest: &Manifest, split: Split) -> anyhow::Result<Self> {
+        Self::mapped_in_turn(&[(dir, manifest)], split)
+    }
+
+    /// The mapped shards of `split` of several prepared directories, one after another (they
+    /// share a dtype).
+    fn mapped_in_turn(dirs: &[(&Path, &Manifest)], split: Split) -> anyhow::Result<Self> {
         let mut shards = Vec::new();
         let mut len = 0;
-        for shard in manifest.shards.iter().filter(|s| s.split == split) {
+        let entries = (dirs.iter()).flat_map(|(dir, manifest)| {
+            (manifest.shards.iter().filter(|s| s.split == split)).map(move |shard| (dir, shard))
+        });
+        for (dir, shard) in entries {
             let path = dir.join(&shard.file);
             let file =
                 File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
@@ -245,7 +336,7 @@ impl Tokens {
         }
         Ok(Self::Mapped(Arc::new(MappedTokens {
             shards,
-            dtype: manifest.dtype,
+            dtype: dirs.first().map_or(TokenDtype::U16, |(_, m)| m.dtype),
             len,
         })))
     }

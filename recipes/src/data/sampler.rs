@@ -10,6 +10,14 @@
 //! windows of every global batch, so the ranks' parts are disjoint and together form exactly the
 //! batch a single device would see. That is what lets a parallel run be compared with a serial
 //! one. The [`Cursor`] (epoch, batch) is all the state there is: saving it resumes the stream.
+//!
+//! **Blends** ([`Sampler::blended`]) draw from several datasets with weights `w_d` (summing to
+//! 1), as Megatron's blended datasets do: sample `i` of the stream comes from the dataset whose
+//! share is furthest behind, `d_i = argmax_d (w_d·(i + 1) − n_d)` with `n_d` the samples it gave
+//! so far (ties to the first), so every prefix of the stream holds each dataset within one
+//! sample of its share. Dataset `d`'s `j`-th sample is window `π_{d,e}(j mod W_d)` of its own
+//! epoch `e = ⌊j / W_d⌋`, a permutation seeded by `(seed, d, e)`. Global batches are runs of
+//! the stream; ranks take their parts as above; the cursor's `batch` counts global batches.
 
 use serde::{Deserialize, Serialize};
 
@@ -39,6 +47,8 @@ pub enum SamplerError {
     },
     #[error("data-parallel rank {rank} is outside 0..{dp}")]
     Rank { rank: usize, dp: usize },
+    #[error("a blend weight must be a positive number, not {weight}")]
+    Weight { weight: f64 },
 }
 
 /// Sampler of one data-parallel rank.
@@ -52,6 +62,28 @@ pub struct Sampler {
     dp: usize,
     cursor: Cursor,
     /// The current epoch's permutation, `(epoch, order)`.
+    order: Option<(u64, Vec<u32>)>,
+    /// The datasets of a blend (none: one dataset, read by epochs as above).
+    blend: Option<Blend>,
+}
+
+/// The datasets of a blended stream and how far it has drawn from each.
+#[derive(Debug, Clone)]
+struct Blend {
+    parts: Vec<BlendPart>,
+    /// Samples of the stream drawn so far.
+    drawn: u64,
+}
+
+#[derive(Debug, Clone)]
+struct BlendPart {
+    /// Where the dataset's tokens start in the blended token stream.
+    base: usize,
+    windows: usize,
+    weight: f64,
+    /// Samples this dataset gave so far.
+    given: u64,
+    /// The permutation of its current epoch, `(epoch, order)`.
     order: Option<(u64, Vec<u32>)>,
 }
 
@@ -87,6 +119,47 @@ impl Sampler {
             dp,
             cursor: Cursor::default(),
             order: None,
+            blend: None,
+        })
+    }
+
+    /// A sampler of a blend of datasets, each `(tokens, base, weight)`: its number of tokens,
+    /// where they start in the blended token stream, and its share of the samples (the weights
+    /// are normalised to sum to 1). See the module doc.
+    pub fn blended(
+        datasets: &[(usize, usize, f64)],
+        context: usize,
+        global_batch: usize,
+        seed: u64,
+        (dp_rank, dp): (usize, usize),
+    ) -> Result<Self, SamplerError> {
+        let total: f64 = datasets.iter().map(|&(_, _, w)| w).sum();
+        let mut parts = Vec::new();
+        for &(tokens, base, weight) in datasets {
+            if !(weight > 0.0 && weight.is_finite()) {
+                return Err(SamplerError::Weight { weight });
+            }
+            // Each dataset must hold one global batch of windows, as a lone dataset must.
+            let one = Self::new(tokens, context, global_batch, seed, (dp_rank, dp))?;
+            parts.push(BlendPart {
+                base,
+                windows: one.n_windows,
+                weight: weight / total,
+                given: 0,
+                order: None,
+            });
+        }
+        let n_windows = parts.iter().map(|p| p.windows).sum();
+        Ok(Self {
+            n_windows,
+            blend: Some(Blend { parts, drawn: 0 }),
+            ..Self::new(
+                n_windows * context + 1,
+                context,
+                global_batch,
+                seed,
+                (dp_rank, dp),
+            )?
         })
     }
 
@@ -101,10 +174,31 @@ impl Sampler {
     /// Continue from a saved position.
     pub fn seek(&mut self, cursor: Cursor) {
         self.cursor = cursor;
+        let batches = cursor.epoch * self.batches_per_epoch() + cursor.batch;
+        let global_batch = self.global_batch as u64;
+        if let Some(blend) = &mut self.blend {
+            // Replays the draws before the cursor (cheap: no windows are read).
+            blend.rewind();
+            for _ in 0..batches * global_batch {
+                blend.draw();
+            }
+            self.cursor = Cursor {
+                epoch: 0,
+                batch: batches,
+            };
+        }
     }
 
     /// Start offsets (in tokens) of this rank's windows for the next global batch.
     pub fn next_batch(&mut self) -> Vec<usize> {
+        if let Some(blend) = &mut self.blend {
+            let local = self.global_batch / self.dp;
+            let mine = self.dp_rank * local..(self.dp_rank + 1) * local;
+            self.cursor.batch += 1;
+            return (0..self.global_batch)
+                .filter_map(|i| blend.next_window(self.seed, self.context, mine.contains(&i)))
+                .collect();
+        }
         if self.cursor.batch >= self.batches_per_epoch() {
             self.cursor = Cursor {
                 epoch: self.cursor.epoch + 1,
@@ -127,13 +221,66 @@ impl Sampler {
 
     /// Fisher–Yates shuffle of the window indices, seeded by `(seed, epoch)`.
     fn permutation(&self, epoch: u64) -> Vec<u32> {
-        let mut rng = SplitMix64::new(self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut order: Vec<u32> = (0..self.n_windows as u32).collect();
-        for i in (1..order.len()).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
-            order.swap(i, j);
+        shuffled(
+            self.n_windows,
+            self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        )
+    }
+}
+
+/// `0..n` in a Fisher–Yates order drawn from `seed`.
+fn shuffled(n: usize, seed: u64) -> Vec<u32> {
+    let mut rng = SplitMix64::new(seed);
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+impl Blend {
+    fn rewind(&mut self) {
+        self.drawn = 0;
+        for part in &mut self.parts {
+            part.given = 0;
         }
-        order
+    }
+
+    /// The dataset of the next sample, counted as drawn.
+    fn draw(&mut self) -> usize {
+        let i = self.drawn as f64;
+        let behind = |p: &BlendPart| p.weight * (i + 1.0) - p.given as f64;
+        let mut chosen = 0;
+        for (d, part) in self.parts.iter().enumerate() {
+            if behind(part) > behind(&self.parts[chosen]) {
+                chosen = d;
+            }
+        }
+        self.drawn += 1;
+        self.parts[chosen].given += 1;
+        chosen
+    }
+
+    /// Draws the next sample; its window's start in the blended token stream when `read`.
+    fn next_window(&mut self, seed: u64, context: usize, read: bool) -> Option<usize> {
+        let d = self.draw();
+        if !read {
+            return None;
+        }
+        let part = &mut self.parts[d];
+        let j = part.given - 1;
+        let epoch = j / part.windows as u64;
+        if part.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let seed = seed ^ (d as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            let order = shuffled(
+                part.windows,
+                seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
+            part.order = Some((epoch, order));
+        }
+        let order = &part.order.as_ref().expect("computed above").1;
+        Some(part.base + order[(j % part.windows as u64) as usize] as usize * context)
     }
 }
 
@@ -219,6 +366,63 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(a.next_batch(), b.next_batch());
         }
+    }
+
+    /// Two datasets of 41 and 13 windows of 4 tokens, the second starting at token 1000.
+    fn blend(weights: [f64; 2], rank: (usize, usize)) -> Sampler {
+        let parts = [(41 * 4 + 1, 0, weights[0]), (13 * 4 + 1, 1000, weights[1])];
+        Sampler::blended(&parts, 4, 10, 3, rank).unwrap()
+    }
+
+    #[test]
+    fn a_blend_keeps_every_prefix_within_one_sample_of_its_shares() {
+        let mut sampler = blend([7.0, 3.0], (0, 1));
+        let (mut first, mut second) = (Vec::new(), Vec::new());
+        for batch in 1..=30 {
+            for start in sampler.next_batch() {
+                match start < 1000 {
+                    true => first.push(start),
+                    false => second.push(start - 1000),
+                }
+            }
+            let drawn = 10.0 * batch as f64;
+            assert!(
+                (first.len() as f64 - 0.7 * drawn).abs() <= 1.0,
+                "batch {batch}"
+            );
+            assert!(
+                (second.len() as f64 - 0.3 * drawn).abs() <= 1.0,
+                "batch {batch}"
+            );
+        }
+        // Each dataset's epochs visit each of its windows once (90 samples: 6 epochs of 13).
+        for epoch in second.chunks_exact(13) {
+            let mut windows: Vec<usize> = epoch.iter().map(|s| s / 4).collect();
+            windows.sort();
+            assert_eq!(windows, (0..13).collect::<Vec<_>>());
+        }
+        assert!(first.iter().all(|s| s % 4 == 0 && s / 4 < 41));
+    }
+
+    #[test]
+    fn a_blend_splits_over_ranks_and_resumes() {
+        let mut serial = blend([0.5, 0.5], (0, 1));
+        let mut ranks = [blend([0.5, 0.5], (0, 2)), blend([0.5, 0.5], (1, 2))];
+        for _ in 0..12 {
+            let whole = serial.next_batch();
+            let parts: Vec<usize> = ranks.iter_mut().flat_map(|s| s.next_batch()).collect();
+            assert_eq!(parts, whole);
+        }
+        let mut resumed = blend([0.5, 0.5], (0, 1));
+        resumed.seek(serial.cursor());
+        for _ in 0..20 {
+            assert_eq!(resumed.next_batch(), serial.next_batch());
+        }
+        let error = Sampler::blended(&[(100, 0, 0.0)], 4, 10, 3, (0, 1)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "a blend weight must be a positive number, not 0"
+        );
     }
 
     #[test]

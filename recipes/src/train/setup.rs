@@ -105,13 +105,38 @@ struct Data {
     val: Tokens,
     /// The manifest hash of prepared data (none for a text corpus).
     hash: Option<String>,
+    /// A blend's datasets, `(tokens, base, weight)` in `train` (see `Sampler::blended`).
+    blend: Option<Vec<(usize, usize, f64)>>,
 }
 
 /// The config's data: a prepared directory (see [`data::Prepared`]), or a text corpus
 /// tokenised here, its last `data.val_fraction` of tokens held out.
 fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<Data> {
-    if data::is_prepared(&config.data.path) {
-        return prepared_data(config, resumed);
+    let path = &config.data.path;
+    if data::is_prepared(path) {
+        let prepared = data::Prepared::open(path)?;
+        let (train, val) = (prepared.train, prepared.val);
+        return prepared_data(
+            config,
+            resumed,
+            &prepared.manifest,
+            (train, val),
+            prepared.hash,
+        );
+    }
+    let blend = (!path.exists())
+        .then(|| path.to_str().and_then(data::Blend::parse))
+        .flatten();
+    if let Some(spec) = blend {
+        let blend = data::Blend::open(&spec)?;
+        let parts = (blend.parts.iter().zip(&blend.bases).zip(&blend.weights))
+            .map(|((part, &base), &weight)| (part.train.len(), base, weight))
+            .collect();
+        let manifest = &blend.parts[0].manifest;
+        let tokens = (blend.train.clone(), blend.val.clone());
+        let mut data = prepared_data(config, resumed, manifest, tokens, blend.hash.clone())?;
+        data.blend = Some(parts);
+        return Ok(data);
     }
     if let Some(hash) = resumed.and_then(|loaded| loaded.state.data_hash.as_ref()) {
         bail!(
@@ -143,15 +168,21 @@ fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<
         train: Tokens::Memory(Arc::new(splits.train)),
         val: Tokens::Memory(Arc::new(splits.val)),
         hash: None,
+        blend: None,
     })
 }
 
-/// A prepared directory's data: its tokenizer must be the config's, and a resumed run's data
-/// must be the data it trained on (the manifest names every shard's hash).
-fn prepared_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<Data> {
+/// Prepared data (one directory, or a blend) as the run's: its tokenizer (from `manifest`) must
+/// be the config's, and a resumed run's data must be the data it trained on (`hash` names every
+/// shard's hash).
+fn prepared_data(
+    config: &RunConfig,
+    resumed: Option<&Loaded>,
+    manifest: &data::Manifest,
+    (train, val): (Tokens, Tokens),
+    hash: String,
+) -> anyhow::Result<Data> {
     let path = &config.data.path;
-    let prepared = data::Prepared::open(path)?;
-    let manifest = &prepared.manifest;
     if manifest.tokenizer != config.data.tokenizer {
         bail!(
             "data.path {} was prepared with the {} tokenizer, but data.tokenizer = {}: set \
@@ -164,12 +195,12 @@ fn prepared_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result
     }
     if let Some(loaded) = resumed {
         let trained_on = loaded.state.data_hash.as_deref();
-        if trained_on != Some(prepared.hash.as_str()) {
+        if trained_on != Some(hash.as_str()) {
             bail!(
                 "data.path {} was prepared differently from the data this run trained on \
-                 (manifest sha256 {}, the checkpoint's {}): resume with the data it trained on",
+                 (manifest sha256 {hash}, the checkpoint's {}): resume with the data it trained \
+                 on",
                 path.display(),
-                prepared.hash,
                 trained_on.unwrap_or("none: it trained on a text corpus")
             );
         }
@@ -183,10 +214,10 @@ fn prepared_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result
         check_same_model(&loaded.state.model, &model)?;
     }
     let window = model.context + 1;
-    let (train, val) = (prepared.train.len(), prepared.val.len());
-    if train < window || (config.train.eval_every > 0 && val < window) {
+    let (n_train, n_val) = (train.len(), val.len());
+    if n_train < window || (config.train.eval_every > 0 && n_val < window) {
         bail!(
-            "data.path {} holds {train} training and {val} validation tokens; each needs at \
+            "data.path {} holds {n_train} training and {n_val} validation tokens; each needs at \
              least context + 1 = {window} (prepare with a larger --val-fraction, or set \
              train.eval_every = 0 to train without evaluation)",
             path.display()
@@ -195,9 +226,10 @@ fn prepared_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result
     Ok(Data {
         tokenizer,
         model,
-        train: prepared.train,
-        val: prepared.val,
-        hash: Some(prepared.hash),
+        train,
+        val,
+        hash: Some(hash),
+        blend: None,
     })
 }
 
@@ -341,6 +373,7 @@ fn run_rank<B: TrainBackend>(
         train,
         val,
         hash,
+        blend,
     } = prepare_data(&config, resumed.as_ref())?;
     dims.check_tensor_parallel(model_config.n_head, model_config.context)?;
     let checkpointing = config.train.activation_checkpointing;
@@ -422,13 +455,12 @@ fn run_rank<B: TrainBackend>(
     verify_replicas(&model, &data)?;
     let adamw = MatrixDecayAdamW::new(&config.train);
     let mut schedule = WarmupCosine::new(&config.train);
-    let mut sampler = Sampler::new(
-        n_train,
-        model_config.context,
-        global_batch,
-        config.train.seed,
-        (data_rank, dims.dp),
-    )?;
+    let ranks = (data_rank, dims.dp);
+    let (context, seed) = (model_config.context, config.train.seed);
+    let mut sampler = match &blend {
+        None => Sampler::new(n_train, context, global_batch, seed, ranks)?,
+        Some(parts) => Sampler::blended(parts, context, global_batch, seed, ranks)?,
+    };
     let mut start_step = 0;
     if let Some(loaded) = &resumed {
         schedule.next_step = loaded.state.schedule_step;
