@@ -251,6 +251,9 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     ];
     overrides.extend(args.sets);
     let config = RunConfig::load(None, &overrides)?;
-    wildfire_recipes::train::run::<Autodiff<CpuBackend>>(config, false)?;
+    wildfire_recipes::train::run::<Autodiff<CpuBackend>>(
+        config,
+        wildfire_recipes::train::Start::Fresh,
+    )?;
     Ok(())
 }

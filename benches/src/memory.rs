@@ -201,7 +201,7 @@ fn step_peaks() -> anyhow::Result<Vec<StepRow>> {
         let config = RunConfig::load(None, &overrides)?;
         let before = HEAP.current();
         HEAP.reset_peak();
-        wildfire_recipes::train::run::<B>(config, false)?;
+        wildfire_recipes::train::run::<B>(config, wildfire_recipes::train::Start::Fresh)?;
         rows.push(StepRow {
             preset: "tiny",
             dp,

@@ -85,6 +85,7 @@ pub struct TrainArgs {
     pub overrides: Vec<String>,
     /// Continue the run in RUN_DIR (default: run.dir) from its newest complete checkpoint, with
     /// the config saved there; --set still applies, except to keys the continuation depends on.
+    /// `--resume auto`: continue run.dir's run when it has a checkpoint, else start it (anew).
     #[arg(long, value_name = "RUN_DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
     /// The corpus: a text file, a directory of them, or a directory `wildfire prepare` wrote
@@ -408,18 +409,23 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = args.overrides.clone();
     overrides.extend(args.flag_overrides());
     let given = RunConfig::load(args.config.as_deref(), &overrides)?;
-    let config = match &args.resume {
-        None => given,
-        Some(dir) => train::resume_config(dir.as_ref().unwrap_or(&given.run.dir), &overrides)?,
-    };
+    let resume = args.resume.as_ref().map(Option::as_deref);
+    let (config, start) = train::start(given, &overrides, resume)?;
     set_threads(config.run.threads)?;
-    let outcome = train::run_on_cpu(config, args.resume.is_some())?;
-    println!(
-        "trained to step {} in {}; last loss {:.4}",
-        outcome.steps,
-        outcome.run_dir.display(),
-        outcome.losses.last().copied().unwrap_or(f64::NAN)
-    );
+    let outcome = train::run_on_cpu(config, start)?;
+    match outcome.losses.last() {
+        Some(loss) => println!(
+            "trained to step {} in {}; last loss {loss:.4}",
+            outcome.steps,
+            outcome.run_dir.display()
+        ),
+        None => println!(
+            "{} is already trained to step {} (train.max_steps); nothing to do (raise \
+             train.max_steps with --resume --set train.max_steps=N to train longer)",
+            outcome.run_dir.display(),
+            outcome.steps
+        ),
+    }
     Ok(0)
 }
 

@@ -40,6 +40,7 @@
 //! micro-batch per rank, ZeRO 2 and offload against ZeRO 1, resume) hold on every seed.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use crate::common::*;
 use wildfire_recipes::checkpoint;
@@ -338,4 +339,76 @@ fn a_killed_data_parallel_rank_fails_the_job_and_a_relaunch_resumes() {
         [last, last + 1],
         "the relaunch continues at step {last}: {steps:?}"
     );
+}
+
+/// A job that `wildfire launch --max-restarts 1` restarts after rank 1 is SIGKILLed continues
+/// the uninterrupted run with `wildfire train --resume auto`: the same final parameters, bitwise,
+/// and each step's record once. Killed after a checkpoint, it continues from the newest one;
+/// killed before the first, it starts again.
+#[test]
+fn a_restarted_job_continues_the_uninterrupted_run() {
+    const STEPS: u64 = 40;
+    let train = |dir: &Path, every: u64| -> Vec<String> {
+        let mut args = base_args(dir);
+        args.extend([
+            "--dp".to_string(),
+            "2".into(),
+            "--resume".into(),
+            "auto".into(),
+            "--set".into(),
+            format!("checkpoint.every={every}"),
+            "--set".into(),
+            "checkpoint.keep_last=0".into(),
+            "--set".into(),
+            format!("train.max_steps={STEPS}"),
+            "--set".into(),
+            "train.eval_every=0".into(),
+        ]);
+        args
+    };
+    let steps = |dir: &Path| -> Vec<u64> {
+        (records(dir, "train").iter())
+            .map(|v| v["step"].as_u64().expect("step"))
+            .collect()
+    };
+    let straight = run_dir("restart-straight");
+    let out = launch(2, 29691, &train(&straight, 4));
+    assert!(out.status.success(), "{}", text(&out));
+    let expected = params(&straight);
+    assert_eq!(steps(&straight), (0..STEPS).collect::<Vec<_>>());
+
+    let has_checkpoint = |dir: &Path| {
+        checkpoint::store::list_checkpoints(&dir.join("checkpoints")).is_ok_and(|c| !c.is_empty())
+    };
+    // (name, checkpoint.every, port, when to kill)
+    type Ready<'a> = &'a dyn Fn(&Path) -> bool;
+    let cases: [(&str, u64, u16, Ready); 2] = [
+        ("restart-after-checkpoint", 4, 29693, &has_checkpoint),
+        ("restart-before-checkpoint", 0, 29695, &|dir: &Path| {
+            records_if_any(dir) >= 2
+        }),
+    ];
+    for (name, every, port, ready) in cases {
+        let dir = run_dir(name);
+        let mut args: Vec<String> = ["launch", "--nproc-per-node", "2", "--max-restarts", "1"]
+            .map(String::from)
+            .to_vec();
+        args.extend(["--master-port".into(), port.to_string(), "--".into()]);
+        args.push(env!("CARGO_BIN_EXE_wildfire").into());
+        args.extend(train(&dir, every));
+        let launcher = spawn(env!("CARGO_BIN_EXE_wildfire"), &args);
+        let started = Instant::now();
+        while !ready(&dir) {
+            assert!(started.elapsed() < LIMIT, "{name}: no progress");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let pid = child_with_rank(launcher.id(), 1).expect("rank 1's process");
+        // SAFETY: kill(2) on a pid read from /proc.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let out = finish(launcher, LIMIT);
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        assert!(text(&out).contains("restart"), "{name}: {}", text(&out));
+        assert_eq!(steps(&dir), (0..STEPS).collect::<Vec<_>>(), "{name}");
+        assert!(params(&dir) == expected, "{name}: final parameters differ");
+    }
 }

@@ -27,10 +27,14 @@ fn text(out: &Output) -> String {
     )
 }
 
-/// `wildfire train` with the default config plus `overrides` (and this test's run dir, the
-/// absolute corpus path); panics with the output unless it succeeds.
-fn train(dir: &Path, overrides: &[&str], resume: bool) -> Output {
-    let mut args = vec!["train".to_string()];
+/// `wildfire train` with `flags`, the default config plus `overrides` (and this test's run
+/// dir, the absolute corpus path); its output.
+fn train_with(dir: &Path, overrides: &[&str], flags: &[&str]) -> Output {
+    let mut args: Vec<String> = ["train"]
+        .iter()
+        .chain(flags)
+        .map(|s| s.to_string())
+        .collect();
     let dir_set = format!("run.dir={}", dir.display());
     let corpus_set = format!("data.path={CORPUS}");
     for o in [dir_set.as_str(), corpus_set.as_str()]
@@ -40,14 +44,17 @@ fn train(dir: &Path, overrides: &[&str], resume: bool) -> Output {
         args.push("--set".into());
         args.push(o.to_string());
     }
-    if resume {
-        args.push("--resume".into());
-    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = wildfire(&args);
+    wildfire(&args)
+}
+
+/// [`train_with`] (`--resume` when `resume`), which must succeed.
+fn train(dir: &Path, overrides: &[&str], resume: bool) -> Output {
+    let flags: &[&str] = if resume { &["--resume"] } else { &[] };
+    let out = train_with(dir, overrides, flags);
     assert!(
         out.status.success(),
-        "wildfire {args:?} failed:\n{}",
+        "wildfire train failed:\n{}",
         text(&out)
     );
     out
@@ -195,6 +202,87 @@ fn resume_continues_bitwise() {
         all, uninterrupted,
         "resumed losses differ from the uninterrupted run"
     );
+}
+
+/// The event files in `dir`.
+fn event_files(dir: &Path) -> usize {
+    (std::fs::read_dir(dir).unwrap())
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with("events.out.tfevents.")
+        })
+        .count()
+}
+
+/// The same command twice: the second continues the run it finds, here already finished (it
+/// says so and exits 0, leaving the records as they were); another config in that directory is
+/// refused, and `--resume` with a larger `train.max_steps` trains on.
+#[test]
+fn the_same_command_twice_finds_its_run_finished() {
+    let dir = run_dir("twice");
+    let config = with(SMALL, &["train.max_steps=2", "train.eval_every=0"]);
+    train(&dir, &config, false);
+    let first = losses(&dir);
+    assert_eq!(first.len(), 2);
+    let again = train(&dir, &config, false);
+    assert!(
+        text(&again).contains("already trained to step 2"),
+        "{}",
+        text(&again)
+    );
+    assert_eq!(losses(&dir), first);
+    let longer = with(&config, &["train.max_steps=3"]);
+    let refused = train_with(&dir, &longer, &[]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused).contains("of a run with another config"),
+        "{}",
+        text(&refused)
+    );
+    train(&dir, &longer, true);
+    assert_eq!(losses(&dir).len(), 3);
+}
+
+/// `--resume auto` (what a restarted job runs): before the first checkpoint it starts the run
+/// again, replacing the stopped run's metrics and events; after one it continues from it. Both
+/// give the uninterrupted run's losses, bitwise.
+#[test]
+fn resume_auto_restarts_or_continues_bitwise() {
+    let dir = run_dir("resume-auto");
+    let config = with(
+        SMALL,
+        &[
+            "train.max_steps=4",
+            "train.eval_every=0",
+            "checkpoint.every=2",
+            "checkpoint.keep_last=0",
+        ],
+    );
+    train(&dir, &config, false);
+    let uninterrupted = losses(&dir);
+    assert_eq!(uninterrupted.len(), 4);
+    let resume_auto = |dir: &Path| {
+        let out = train_with(dir, &config, &["--resume", "auto"]);
+        assert!(out.status.success(), "{}", text(&out));
+    };
+    // Stopped after its checkpoint at step 2.
+    crate::common::remove_checkpoints(&dir, 4..=4);
+    resume_auto(&dir);
+    assert_eq!(losses(&dir), uninterrupted, "continued from step 2");
+    // Stopped before any checkpoint: its 4 records and event file are replaced.
+    crate::common::remove_checkpoints(&dir, 2..=2);
+    crate::common::remove_checkpoints(&dir, 4..=4);
+    resume_auto(&dir);
+    assert_eq!(losses(&dir), uninterrupted, "started again");
+    assert_eq!(
+        event_files(&dir),
+        1,
+        "one event file: the stopped run's were dropped"
+    );
+    // A directory that does not exist yet: a fresh run.
+    let fresh = run_dir("resume-auto-fresh");
+    resume_auto(&fresh);
+    assert_eq!(losses(&fresh), uninterrupted);
 }
 
 /// 4 micro-batches of 4 against 1 batch of 16 on the same windows: the losses of 3 steps and

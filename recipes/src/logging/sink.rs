@@ -81,6 +81,10 @@ impl MetricsSink {
         if path.exists() {
             keep_records_before(&path, step)?;
         }
+        if step == 0 {
+            // A run started again from its beginning redoes every step its events recorded.
+            remove_event_files(run_dir)?;
+        }
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -191,5 +195,24 @@ fn keep_records_before(path: &Path, step: u64) -> anyhow::Result<()> {
         .with_context(|| format!("cannot write {}", temporary.display()))?;
     std::fs::rename(&temporary, path)
         .with_context(|| format!("cannot replace {}", path.display()))?;
+    Ok(())
+}
+
+/// Removes the TensorBoard event files wildfire wrote in `run_dir`.
+fn remove_event_files(run_dir: &Path) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return Ok(());
+    };
+    for entry in entries {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.starts_with("events.out.tfevents.") && name.ends_with(".wildfire") {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+    }
     Ok(())
 }

@@ -25,7 +25,7 @@ mod setup;
 mod update;
 
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
-pub use setup::{TrainOutcome, resume_config, run, run_on_cpu};
+pub use setup::{Start, TrainOutcome, resume_config, run, run_on_cpu, start};
 pub use update::{Optimizers, counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;

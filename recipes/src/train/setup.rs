@@ -71,25 +71,71 @@ pub fn resume_config(run_dir: &Path, overrides: &[String]) -> anyhow::Result<Run
     Ok(config)
 }
 
+/// How a run treats its run directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// A new run: the directory holds no checkpoint and no metrics.
+    Fresh,
+    /// Continue from the directory's newest complete checkpoint.
+    Resume,
+    /// A new run in place of one that was stopped before its first checkpoint (a restarted
+    /// job's): that run's metrics are dropped, as a resume drops those after its checkpoint.
+    Restart,
+}
+
+/// The config and start of `wildfire train`, from the `given` config (with `overrides`) and
+/// its `--resume` flag:
+/// - `--resume [DIR]` continues the run in `DIR` (default `run.dir`) with the config saved in
+///   its newest checkpoint ([`resume_config`]);
+/// - `--resume auto` continues `run.dir`'s run when it has a complete checkpoint and starts it
+///   anew otherwise (what a restarted job runs: before the first checkpoint there is nothing
+///   to continue);
+/// - without `--resume`, a `run.dir` whose newest checkpoint was saved with exactly the given
+///   config continues (the same command run twice goes on, or finds the run finished); another
+///   config there is refused when the run starts.
+pub fn start(
+    given: RunConfig,
+    overrides: &[String],
+    resume: Option<Option<&Path>>,
+) -> anyhow::Result<(RunConfig, Start)> {
+    let run_dir = given.run.dir.clone();
+    let has_checkpoint = || checkpoint::store::latest_checkpoint(&run_dir.join("checkpoints"));
+    match resume {
+        Some(Some(dir)) if dir == Path::new("auto") => match has_checkpoint()? {
+            Some(_) => Ok((resume_config(&run_dir, overrides)?, Start::Resume)),
+            None => Ok((given, Start::Restart)),
+        },
+        Some(dir) => {
+            let config = resume_config(dir.unwrap_or(&run_dir), overrides)?;
+            Ok((config, Start::Resume))
+        }
+        None => match has_checkpoint()? {
+            Some(_) if resume_config(&run_dir, &[])? == given => Ok((given, Start::Resume)),
+            _ => Ok((given, Start::Fresh)),
+        },
+    }
+}
+
 /// The newest checkpoint to resume from, after refusing to start a fresh run over an existing
 /// one (its checkpoints would be pruned and its metrics mixed with the new run's).
-fn check_run_dir(run_dir: &Path, resume: bool) -> anyhow::Result<Option<PathBuf>> {
+fn check_run_dir(run_dir: &Path, start: Start) -> anyhow::Result<Option<PathBuf>> {
     let checkpoints = run_dir.join("checkpoints");
     let latest = checkpoint::store::latest_checkpoint(&checkpoints)?;
     let metrics = run_dir.join("metrics.jsonl");
-    match (&latest, resume) {
-        (None, true) => bail!(
+    match (&latest, start) {
+        (None, Start::Resume) => bail!(
             "--resume: no complete checkpoint in {}",
             checkpoints.display()
         ),
-        (Some(dir), false) => bail!(
-            "{} already holds checkpoints (newest: {}); pass --resume to continue that run, or \
-             set run.dir to a new directory",
+        (Some(dir), Start::Fresh | Start::Restart) => bail!(
+            "{} already holds checkpoints (newest: {}) of a run with another config; pass \
+             --resume to continue that run (with its config), or set run.dir to a new directory",
             checkpoints.display(),
             dir.display()
         ),
-        (None, false) if metrics.exists() => bail!(
-            "{} already holds a run's metrics ({}); set run.dir to a new directory or remove it",
+        (None, Start::Fresh) if metrics.exists() => bail!(
+            "{} already holds a run's metrics ({}) but no checkpoint; set run.dir to a new \
+             directory, remove it, or pass --resume auto to start that run again",
             run_dir.display(),
             metrics.display()
         ),
@@ -254,26 +300,26 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
 
 /// [`run`] on the recipe's CPU backend, with Burn's checkpointing strategy when the config asks
 /// for selective activation checkpointing.
-pub fn run_on_cpu(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
+pub fn run_on_cpu(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
     match config.train.activation_checkpointing {
         ActivationCheckpointing::Selective => {
-            run::<Autodiff<CpuBackend, BalancedCheckpointing>>(config, resume)
+            run::<Autodiff<CpuBackend, BalancedCheckpointing>>(config, start)
         }
-        _ => run::<Autodiff<CpuBackend>>(config, resume),
+        _ => run::<Autodiff<CpuBackend>>(config, start),
     }
 }
 
 /// Trains as `config` says, on backend `B`'s default device: on one rank, or on every rank of
 /// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
-/// process). With `resume`, continues from the newest complete checkpoint of `config.run.dir`
+/// process). [`Start::Resume`] continues from the newest complete checkpoint of `config.run.dir`
 /// (see [`resume_config`] for its config). Returns rank 0's outcome. `B`'s autodiff must use
 /// Burn's `BalancedCheckpointing` exactly when `train.activation_checkpointing = selective`.
-pub fn run<B: TrainBackend>(config: RunConfig, resume: bool) -> anyhow::Result<TrainOutcome> {
+pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
         Transport::Launch => {
             let world = ProcessGroup::init(&LaunchEnv::detect(&LaunchFlags::default())?, options)?;
-            run_rank::<B>(config, resume, world)
+            run_rank::<B>(config, start, world)
         }
         Transport::Local => {
             let launched = LaunchEnv::detect(&LaunchFlags::default())?;
@@ -303,7 +349,7 @@ pub fn run<B: TrainBackend>(config: RunConfig, resume: bool) -> anyhow::Result<T
                     let config = config.clone();
                     std::thread::Builder::new()
                         .name(format!("rank-{}", world.rank()))
-                        .spawn(move || run_rank::<B>(config, resume, world))
+                        .spawn(move || run_rank::<B>(config, start, world))
                 })
                 .collect::<std::io::Result<Vec<_>>>()?;
             first_outcome(ranks.into_iter().map(|rank| rank.join()))
@@ -336,7 +382,7 @@ fn first_outcome(
 /// This rank's part of the run.
 fn run_rank<B: TrainBackend>(
     config: RunConfig,
-    resume: bool,
+    start: Start,
     world: ProcessGroup,
 ) -> anyhow::Result<TrainOutcome> {
     let (rank, parallel) = (world.rank(), &config.parallel);
@@ -364,7 +410,7 @@ fn run_rank<B: TrainBackend>(
         mesh.replica().clone(),
     );
     let run_dir = config.run.dir.clone();
-    let resumed = check_run_dir(&run_dir, resume)?
+    let resumed = check_run_dir(&run_dir, start)?
         .map(|dir| checkpoint::load(&dir))
         .transpose()?;
     let Data {
