@@ -265,10 +265,28 @@ fn resume_auto_restarts_or_continues_bitwise() {
         let out = train_with(dir, &config, &["--resume", "auto"]);
         assert!(out.status.success(), "{}", text(&out));
     };
-    // Stopped after its checkpoint at step 2.
+    // Stopped after its checkpoint at step 2, while saving step 3 (staged, and renamed but not
+    // committed): the unfinished saves are removed, the committed checkpoint kept.
     crate::common::remove_checkpoints(&dir, 4..=4);
+    let checkpoints = dir.join("checkpoints");
+    let unfinished = [
+        checkpoints.join(".tmp-step-00000003-4242"),
+        checkpoints.join("step-00000003"),
+    ];
+    for partial in &unfinished {
+        std::fs::create_dir_all(partial).unwrap();
+        std::fs::write(partial.join("rank-00000.safetensors"), b"partial").unwrap();
+    }
     resume_auto(&dir);
     assert_eq!(losses(&dir), uninterrupted, "continued from step 2");
+    assert!(
+        unfinished.iter().all(|p| !p.exists()),
+        "unfinished saves removed"
+    );
+    assert!(
+        checkpoints.join("step-00000002").exists(),
+        "committed checkpoint kept"
+    );
     // Stopped before any checkpoint: its 4 records and event file are replaced.
     crate::common::remove_checkpoints(&dir, 2..=2);
     crate::common::remove_checkpoints(&dir, 4..=4);

@@ -634,6 +634,32 @@ pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointEr
     Ok(found)
 }
 
+/// Removes what interrupted writes left under `root`: staging directories (`.tmp-*`) and
+/// checkpoint directories without `COMMIT`; returns them. A committed checkpoint is never
+/// touched. Call it only while no writer is at work (a run's start).
+pub fn remove_stale(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let entries = match fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(root)(e)),
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err(root))?;
+        let name = entry.file_name();
+        let name = name.to_str().unwrap_or_default();
+        let dir = entry.path();
+        let staging = name.starts_with(".tmp-");
+        let uncommitted = parse_step(name).is_some() && !dir.join(COMMIT_FILE).is_file();
+        if dir.is_dir() && (staging || uncommitted) {
+            fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+            removed.push(dir);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
 /// The committed checkpoint with the highest step under `root`, if any.
 pub fn latest_checkpoint(root: &Path) -> Result<Option<PathBuf>, CheckpointError> {
     Ok(list_checkpoints(root)?.pop().map(|(_, dir)| dir))

@@ -410,6 +410,16 @@ fn run_rank<B: TrainBackend>(
         mesh.replica().clone(),
     );
     let run_dir = config.run.dir.clone();
+    if world.rank() == 0 {
+        // Before any rank writes: what a stopped run's unfinished saves left.
+        let stale = checkpoint::store::remove_stale(&run_dir.join("checkpoints"))?;
+        if !stale.is_empty() {
+            println!(
+                "removed {} unfinished checkpoint writes: {stale:?}",
+                stale.len()
+            );
+        }
+    }
     let resumed = check_run_dir(&run_dir, start)?
         .map(|dir| checkpoint::load(&dir))
         .transpose()?;
