@@ -3,8 +3,9 @@
 //!
 //! - When a rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
 //!   the launch fails naming the rank and its exit status or signal.
-//! - With `max_restarts`, the whole group is started again (ranks resume from their last
-//!   checkpoint); `WILDFIRE_RESTART_COUNT` tells them which attempt they are.
+//! - With `max_restarts`, the whole group is started again (`wildfire train --resume auto`
+//!   ranks continue from their newest checkpoint); `WILDFIRE_RESTART_COUNT` tells them which
+//!   attempt they are.
 //! - Every rank gets the job's secret (`WILDFIRE_JOB_TOKEN`, see `comm::auth`): the launcher's
 //!   own when it has one (every launcher of a multi-node job must, or it fails at once), else a
 //!   new one for a single-node job.
