@@ -184,7 +184,7 @@ impl DataParallel {
             let units = (stage == ZeroStage::Three).then(|| self.mesh.data());
             optimizer.moments = Some(Arc::new(AdaptorMoments {
                 positions: Mutex::new(AdaptorPositions::new(model, units)),
-                device: Mutex::new(inner_device(model)),
+                device: inner_device(model),
                 offload: self.offload,
                 pieces: AdaptorPositions::pieces,
                 restore: AdaptorPositions::restore,
@@ -328,8 +328,8 @@ pub struct ParallelOptimizer<A: AutodiffBackend, O> {
 /// The moments of Burn's optimizer adaptor over [`PlacedAdamW`] (`O`) by position.
 struct AdaptorMoments<A: AutodiffBackend, O> {
     positions: Mutex<AdaptorPositions>,
-    /// The model's device (of its inner backend).
-    device: Mutex<Device<A::InnerBackend>>,
+    /// The model's device (of its inner backend), where restored moments go.
+    device: Device<A::InnerBackend>,
     /// Whether the moments live in host memory.
     offload: bool,
     pieces: ReadPieces<A, O>,
@@ -387,7 +387,6 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
         let specs = dp::param_specs(module);
         if let Some(moments) = &self.moments {
             lock(&moments.positions).follow(&specs);
-            *lock(&moments.device) = inner_device(module);
         }
         let rebound = match &*self.update {
             Update::Replicated { layout, .. } => {
@@ -419,18 +418,14 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
             panic!("data parallelism: the model no longer matches its optimizer: {error}");
         }
         if let Some(saved) = lock(&self.saved).take()
-            && let Err(error) = self.restore(saved, &inner_device(module))
+            && let Err(error) = self.restore(saved)
         {
             panic!("data parallelism, resuming the optimizer's moments: {error}");
         }
     }
 
     /// Puts a checkpoint's moments where this stage holds them.
-    fn restore(
-        &self,
-        saved: SavedMoments<A>,
-        device: &Device<A::InnerBackend>,
-    ) -> Result<(), String>
+    fn restore(&self, saved: SavedMoments<A>) -> Result<(), String>
     where
         O: Clone,
     {
@@ -449,6 +444,7 @@ impl<A: AutodiffBackend, O> ParallelOptimizer<A, O> {
                 let whole = WholeMoments::assemble(saved, &positions.numels(), data)?;
                 let mut optimizer = lock(optimizer);
                 let restored = optimizer.clone();
+                let device = &moments.device;
                 *optimizer =
                     (moments.restore)(&positions, restored, &whole, device, moments.offload);
                 Ok(())
@@ -515,10 +511,10 @@ where
                 let writes_whole = stage == ZeroStage::Zero0 || data.rank() == 0;
                 let positions = lock(&moments.positions);
                 let optimizer = lock(optimizer);
-                let device = lock(&moments.device);
+                let device = &moments.device;
                 (
                     None,
-                    (moments.pieces)(&positions, &optimizer, writes_whole, &device),
+                    (moments.pieces)(&positions, &optimizer, writes_whole, device),
                 )
             }
             (Update::Replicated { optimizer, .. }, None) => {

@@ -316,10 +316,12 @@ fn parse_step(name: &str) -> Option<u64> {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
+}
+
+/// Lowercase hex of `bytes` (how checkpoint and data manifests write SHA-256s).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Flushes a directory's entries (new names, renames) to stable storage.
@@ -614,14 +616,8 @@ pub fn write_checkpoint(
 /// All committed checkpoints under `root` as `(step, dir)`, oldest first. A missing `root` has
 /// none. Directories without `COMMIT`, `.tmp-*` directories and other names are skipped.
 pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
-    let entries = match fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err(root)(e)),
-    };
     let mut found = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(io_err(root))?;
+    for entry in entries(root)? {
         let Some(step) = entry.file_name().to_str().and_then(parse_step) else {
             continue;
         };
@@ -634,18 +630,21 @@ pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointEr
     Ok(found)
 }
 
+/// The entries of directory `root`; none when it does not exist.
+fn entries(root: &Path) -> Result<Vec<fs::DirEntry>, CheckpointError> {
+    match fs::read_dir(root) {
+        Ok(entries) => entries.collect::<Result<_, _>>().map_err(io_err(root)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io_err(root)(e)),
+    }
+}
+
 /// Removes what interrupted writes left under `root`: staging directories (`.tmp-*`) and
 /// checkpoint directories without `COMMIT`; returns them. A committed checkpoint is never
 /// touched. Call it only while no writer is at work (a run's start).
 pub fn remove_stale(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
-    let entries = match fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err(root)(e)),
-    };
     let mut removed = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(io_err(root))?;
+    for entry in entries(root)? {
         let name = entry.file_name();
         let name = name.to_str().unwrap_or_default();
         let dir = entry.path();

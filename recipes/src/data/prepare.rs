@@ -26,11 +26,10 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::corpus::collect_files;
-use super::prepared::{
-    DocumentCounts, FORMAT, MANIFEST, Manifest, ShardEntry, Split, TokenDtype, hex,
-};
+use super::prepared::{DocumentCounts, FORMAT, MANIFEST, Manifest, ShardEntry, Split, TokenDtype};
 use super::sampler::SplitMix64;
 use super::tokenizer::{Tokenizer, TokenizerKind};
+use crate::checkpoint::store::hex;
 
 /// The character tokenizer's end-of-text character (Unicode's END OF TEXT control).
 pub const CHAR_END_OF_TEXT: char = '\u{3}';

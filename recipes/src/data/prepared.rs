@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::tokenizer::TokenizerKind;
+use crate::checkpoint::store::hex;
 
 /// The manifest's file name inside a prepared directory.
 pub const MANIFEST: &str = "manifest.json";
@@ -285,11 +286,6 @@ fn check_shard(dir: &Path, shard: &ShardEntry, dtype: TokenDtype) -> anyhow::Res
         );
     }
     Ok(())
-}
-
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A stream of token ids read by windows: an in-memory corpus, or a split's mapped shards.
