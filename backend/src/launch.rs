@@ -2,10 +2,11 @@
 //! torchrun's variables, prefixes their output with the rank, and supervises them.
 //!
 //! - When a rank fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and
-//!   the launch fails naming the rank and its exit status or signal.
-//! - With `max_restarts`, the whole group is started again (`wildfire train --resume auto`
+//!   the launch fails naming the rank, its exit status or signal, and its last line on stderr
+//!   (in a job of several nodes, a node whose rank lost a peer on another node names it so).
+//! - With `max_restarts`, this node's group is started again (`wildfire train --resume auto`
 //!   ranks continue from their newest checkpoint); `WILDFIRE_RESTART_COUNT` tells them which
-//!   attempt they are.
+//!   attempt they are. A job of several nodes is restarted whole by its scheduler.
 //! - Every rank gets the job's secret (`WILDFIRE_JOB_TOKEN`, see `comm::auth`): the launcher's
 //!   own when it has one (every launcher of a multi-node job must, or it fails at once), else a
 //!   new one for a single-node job.
@@ -16,7 +17,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -71,11 +72,13 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
-    #[error("rank {rank} (pid {pid}) {status}; stopped the other ranks{restarts}")]
+    #[error("rank {rank} (pid {pid}) {status}{last_words}; stopped the other ranks{restarts}")]
     RankFailed {
         rank: usize,
         pid: u32,
         status: String,
+        /// `, its last words: "…"`: the rank's last line on stderr (usually its error), or empty.
+        last_words: String,
         restarts: String,
     },
     #[error("interrupted by signal {0}; stopped all ranks")]
@@ -156,9 +159,22 @@ fn restore_signal_handlers(previous: Vec<libc::sighandler_t>) {
 }
 
 struct Rank {
+    rank: usize,
     child: Child,
     pumps: Vec<JoinHandle<()>>,
     waiter: Option<JoinHandle<()>>,
+    /// Its last non-empty line on stderr so far.
+    last_line: Arc<Mutex<Option<String>>>,
+}
+
+impl Rank {
+    /// `, its last words: "…"` from its last line on stderr, or nothing.
+    fn last_words(&self) -> String {
+        let line = self.last_line.lock().unwrap_or_else(|p| p.into_inner());
+        line.as_ref()
+            .map(|line| format!(", its last words: {line:?}"))
+            .unwrap_or_default()
+    }
 }
 
 /// A rank's exit, reported by its waiter thread the moment it happens, so that the first failure
@@ -206,10 +222,13 @@ fn run_attempts(config: &LaunchConfig, token: &str) -> Result<(), LaunchError> {
             Outcome::Success => return Ok(()),
             Outcome::Interrupted(signal) => return Err(LaunchError::Interrupted(signal)),
             Outcome::Failed { rank, pid, status } => {
+                let last_words = (ranks.iter().find(|r| r.rank == rank))
+                    .map(Rank::last_words)
+                    .unwrap_or_default();
                 if attempt < config.max_restarts {
                     attempt += 1;
                     eprintln!(
-                        "[launch] rank {rank} (pid {pid}) {status}; restarting all ranks (restart {attempt} of {})",
+                        "[launch] rank {rank} (pid {pid}) {status}{last_words}; restarting all ranks (restart {attempt} of {})",
                         config.max_restarts
                     );
                     continue;
@@ -223,6 +242,7 @@ fn run_attempts(config: &LaunchConfig, token: &str) -> Result<(), LaunchError> {
                     rank,
                     pid,
                     status,
+                    last_words,
                     restarts,
                 });
             }
@@ -313,11 +333,12 @@ fn spawn_rank(
         source,
     })?;
     let mut pumps = Vec::new();
+    let last_line = Arc::new(Mutex::new(None));
     if let Some(out) = child.stdout.take() {
-        pumps.push(pump(out, rank, false));
+        pumps.push(pump(out, rank, None));
     }
     if let Some(err) = child.stderr.take() {
-        pumps.push(pump(err, rank, true));
+        pumps.push(pump(err, rank, Some(last_line.clone())));
     }
     let pid = child.id();
     let exits = exits.clone();
@@ -326,9 +347,11 @@ fn spawn_rank(
         let _ = exits.send(Exit { rank, pid, status });
     });
     Ok(Rank {
+        rank,
         child,
         pumps,
         waiter: Some(waiter),
+        last_line,
     })
 }
 
@@ -359,8 +382,14 @@ fn wait_without_reaping(pid: u32) -> std::io::Result<ExitStatus> {
     }
 }
 
-/// Copies a rank's output line by line, each prefixed with `[rank N] `.
-fn pump(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> JoinHandle<()> {
+/// Copies a rank's output line by line, each prefixed with `[rank N] `: its stderr (keeping its
+/// last non-empty line in `last_line`) to the launcher's, its stdout (`last_line` is `None`) to
+/// the launcher's.
+fn pump(
+    stream: impl Read + Send + 'static,
+    rank: usize,
+    last_line: Option<Arc<Mutex<Option<String>>>>,
+) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = Vec::new();
@@ -374,10 +403,15 @@ fn pump(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> Joi
                     }
                     let mut prefixed = format!("[rank {rank}] ").into_bytes();
                     prefixed.extend_from_slice(&line);
-                    let _ = if to_stderr {
-                        std::io::stderr().lock().write_all(&prefixed)
-                    } else {
-                        std::io::stdout().lock().write_all(&prefixed)
+                    let _ = match &last_line {
+                        Some(last_line) => {
+                            let text = String::from_utf8_lossy(&line).trim().to_string();
+                            if !text.is_empty() {
+                                *last_line.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+                            }
+                            std::io::stderr().lock().write_all(&prefixed)
+                        }
+                        None => std::io::stdout().lock().write_all(&prefixed),
                     };
                 }
             }
@@ -423,6 +457,8 @@ fn stop_all(ranks: &mut [Rank], grace: Duration) {
     // still unreaped zombies here, so their group ids cannot have been reused.
     for r in ranks.iter() {
         signal_group(r.child.id(), libc::SIGTERM);
+        // A stopped rank (SIGSTOP, a debugger's) only acts on SIGTERM once it runs again.
+        signal_group(r.child.id(), libc::SIGCONT);
     }
     let exited = |r: &Rank| r.waiter.as_ref().is_none_or(JoinHandle::is_finished);
     let deadline = Instant::now() + grace;

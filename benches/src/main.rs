@@ -2,6 +2,7 @@
 
 mod activations;
 mod alloc;
+mod checkpoint;
 mod comm;
 mod data;
 mod decorator;
@@ -59,6 +60,8 @@ enum Command {
     /// wildfire's CubeCL kernels (attention forward and forward+backward, mixed-precision matmul)
     /// against Burn's own attention and matmul on the same device (wgpu, or CUDA with `cuda`).
     Kernels(kernels::KernelArgs),
+    /// What a checkpoint save costs a training step: synchronous against background writes.
+    Checkpoint(checkpoint::CheckpointArgs),
     /// Data-parallel throughput of the tiny model at dp = 1 and 2, threads and processes, with
     /// scaling efficiency and the communication share of a step.
     Dp(dp::DpArgs),
@@ -91,6 +94,7 @@ fn main() -> anyhow::Result<()> {
         Command::Memory(args) => memory::run(args),
         Command::Activations(args) => activations::run(args),
         Command::Dp(args) => dp::run(args),
+        Command::Checkpoint(args) => checkpoint::run(args),
         Command::Kernels(args) => kernels::run(args),
         Command::Tp(args) => tp::run(args),
         Command::RecipeWorker(args) => dp::worker(args),

@@ -92,11 +92,11 @@ pub enum MeshError {
          set tp > 1 or leave sequence parallelism off"
     )]
     SequenceWithoutTensor,
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] CommError),
-    #[error("{0}")]
+    #[error(transparent)]
     Partition(#[from] PartitionError),
-    #[error("{0}")]
+    #[error(transparent)]
     Schedule(#[from] ScheduleError),
     #[error("the {kind} schedule failed its static check, so it was not run: {source}")]
     Check {

@@ -19,7 +19,7 @@ use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, fnv1a};
 /// Why the replicas could not be made or found identical.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] CommError),
     #[error(
         "data-parallel rank {rank} starts from a different `{path}` than rank 0 (parameter {index} \

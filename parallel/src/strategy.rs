@@ -95,7 +95,7 @@ pub enum StrategyError {
          are)"
     )]
     Offload,
-    #[error("{0}")]
+    #[error(transparent)]
     Shard(#[from] ShardError),
 }
 

@@ -37,9 +37,9 @@ use crate::precision::unscaled_norm;
 /// Why an update failed.
 #[derive(Debug, thiserror::Error)]
 pub enum UpdateError {
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] CommError),
-    #[error("{0}")]
+    #[error(transparent)]
     Zero(#[from] ZeroError),
 }
 

@@ -195,6 +195,11 @@ pub struct CheckpointSection {
     pub every: u64,
     /// Committed checkpoints kept; older ones are deleted. 0 keeps all.
     pub keep_last: usize,
+    /// Write checkpoints in the background while training goes on (the step copies what it
+    /// saves to host memory; the next save waits for the previous one). The last one is
+    /// always written before the run ends.
+    #[serde(default, rename = "async")]
+    pub in_background: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -475,25 +480,20 @@ impl ModelSection {
 }
 
 /// Keys a resumed run keeps from its checkpoint: they decide the model, the data stream and the
-/// RNG, so changing one would break the bitwise continuation. Other keys (`train.max_steps`,
-/// `checkpoint.*`, `run.*`, the schedule) may change on resume.
-/// (The model is compared after resolving its preset, by [`check_same_model`].)
-const LOCKED_ON_RESUME: [&str; 6] = [
-    "data",
-    "train.seed",
-    "train.micro_batch",
-    "train.grad_accum",
-    "train.global_batch",
-    "parallel.dp",
-];
+/// RNG, so changing one would break the continuation. The global batch is kept too (the sampler
+/// draws by global batches), but how it is made may change: `parallel.dp`, `train.micro_batch`
+/// and `train.grad_accum` (see [`RunConfig::keep_global_batch`]). Other keys
+/// (`train.max_steps`, `checkpoint.*`, `run.*`, the schedule, the parallel layout) may change on
+/// resume. (The model is compared after resolving its preset, by [`check_same_model`].)
+const LOCKED_ON_RESUME: [&str; 2] = ["data", "train.seed"];
 
 impl RunConfig {
     /// The config of a resumed run: the one saved in its checkpoint, with this invocation's
     /// `--set` overrides applied on top. Overrides of [`LOCKED_ON_RESUME`] keys are refused,
-    /// naming the key and both values.
+    /// naming the key and both values, and the global batch stays the checkpoint's.
     pub fn for_resume(saved: &RunConfig, overrides: &[String]) -> anyhow::Result<Self> {
         let text = toml::to_string(saved)?;
-        let resumed = Self::parse(&text, "saved in the checkpoint", overrides)?;
+        let mut resumed = Self::parse(&text, "saved in the checkpoint", overrides)?;
         let (before, after) = (
             serde_json::to_value(saved)?,
             serde_json::to_value(&resumed)?,
@@ -510,7 +510,43 @@ impl RunConfig {
                 );
             }
         }
+        resumed.keep_global_batch(saved)?;
         Ok(resumed)
+    }
+
+    /// Sequences per optimizer step over every data-parallel rank.
+    pub fn global_batch(&self) -> usize {
+        let train = &self.train;
+        (train.global_batch).unwrap_or(train.micro_batch * train.grad_accum * self.parallel.dp)
+    }
+
+    /// Keeps `saved`'s global batch `G` under this config's data-parallel degree `dp` and
+    /// micro-batch `m`: unless `train.grad_accum` was changed too, it becomes `G / (m · dp)`.
+    /// A `G` that `m · dp` does not divide, or a changed `G`, is refused naming the numbers.
+    fn keep_global_batch(&mut self, saved: &RunConfig) -> anyhow::Result<()> {
+        let global = saved.global_batch();
+        let (dp, train) = (self.parallel.dp, &mut self.train);
+        if let Some(given) = train.global_batch.filter(|&given| given != global) {
+            bail!(
+                "cannot resume with train.global_batch changed: it is {global} in the checkpoint \
+                 but {given} on the command line (the data order depends on it)"
+            );
+        }
+        let per_micro_step = train.micro_batch * dp;
+        if train.grad_accum == saved.train.grad_accum && global.is_multiple_of(per_micro_step) {
+            train.grad_accum = global / per_micro_step;
+        }
+        let product = train.micro_batch * train.grad_accum * dp;
+        if product != global {
+            bail!(
+                "cannot resume with a global batch of {product} sequences (train.micro_batch {} × \
+                 train.grad_accum {} × parallel.dp {dp}): the checkpoint's is {global}, and the \
+                 data order depends on it; choose a micro-batch and dp whose product divides {global}",
+                train.micro_batch,
+                train.grad_accum,
+            );
+        }
+        Ok(())
     }
 }
 
@@ -600,6 +636,35 @@ mod tests {
         );
         let err = RunConfig::for_resume(&saved, &["data.tokenizer=gpt2".into()]).unwrap_err();
         assert!(err.to_string().contains("data.tokenizer changed"), "{err}");
+    }
+
+    #[test]
+    fn resume_at_another_dp_keeps_the_global_batch() {
+        let saved = ["train.micro_batch=2", "train.grad_accum=2", "parallel.dp=2"];
+        let saved = RunConfig::parse(DEFAULT_CONFIG, "default", &saved.map(String::from)).unwrap();
+        let resume = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            RunConfig::for_resume(&saved, &sets)
+        };
+        let at = |sets: &[&str]| {
+            let train = resume(sets).unwrap().train;
+            (train.micro_batch, train.grad_accum)
+        };
+        assert_eq!(at(&["parallel.dp=4"]), (2, 1));
+        assert_eq!(at(&["parallel.dp=1"]), (2, 4));
+        assert_eq!(at(&["parallel.dp=4", "train.micro_batch=1"]), (1, 2));
+        let err = resume(&["parallel.dp=3"]).unwrap_err().to_string();
+        assert!(
+            err.contains("global batch of 12 sequences (train.micro_batch 2 × train.grad_accum 2 × parallel.dp 3): the checkpoint's is 8"),
+            "{err}"
+        );
+        let err = resume(&["parallel.dp=4", "train.grad_accum=3"]).unwrap_err();
+        assert!(err.to_string().contains("the checkpoint's is 8"), "{err}");
+        let err = resume(&["train.global_batch=16"]).unwrap_err().to_string();
+        assert!(
+            err.contains("train.global_batch changed: it is 8 in the checkpoint but 16"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -89,7 +89,7 @@ pub enum HandshakeError {
     WrongSecret,
     #[error("it does not speak the wildfire handshake")]
     NotWildfire,
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] io::Error),
 }
 

@@ -113,7 +113,7 @@ struct Shard<B: Backend> {
 /// Why a sharded step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ZeroError {
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] CommError),
     #[error("{0}")]
     State(String),

@@ -141,7 +141,7 @@ pub enum ShardError {
          NoCheckpointing keeps them all)"
     )]
     KeepsGathers,
-    #[error("{0}")]
+    #[error(transparent)]
     Comm(#[from] CommError),
 }
 

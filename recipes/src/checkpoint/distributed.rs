@@ -1,7 +1,8 @@
 //! Writing one checkpoint from many ranks: rank 0 creates the staging directory, every rank
 //! writes its own shard into it, and rank 0 commits once all shards are written. Every rank
 //! learns the outcome, so a failed write on any rank fails the checkpoint on all of them (with
-//! the rank named) instead of leaving them waiting.
+//! the rank named) instead of leaving them waiting. (The background writer, `writer`, does the
+//! same with files in the staging directory instead of collectives.)
 
 use std::path::{Path, PathBuf};
 
@@ -10,34 +11,44 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use wildfire_backend::comm::{HostTensor, ProcessGroup};
 
-use super::store::{self, FileEntry, TensorSlice};
+use super::Snapshot;
+use super::crash::{CrashPoint, crash_point};
+use super::store::{self, FileEntry};
 
-/// Writes this rank's `slices` as its shard of the checkpoint of `state` (whose `step` names
-/// it) under `root`, and returns the committed directory. Every rank of `world` calls this.
+/// Writes this rank's shard of `snapshot` under `root` and returns the committed directory.
+/// Every rank of `world` calls this.
 pub(super) fn save(
     root: &Path,
     world: &ProcessGroup,
-    slices: &[TensorSlice],
-    state: serde_json::Value,
+    snapshot: Snapshot,
 ) -> anyhow::Result<PathBuf> {
-    let step = state["step"].as_u64().unwrap_or_default();
-    let staging =
-        (world.rank() == 0).then(|| store::create_staging(root, step).map_err(|e| e.to_string()));
-    let staging: PathBuf = outcome(broadcast_json(world, staging.as_ref())?, "rank 0")?;
-    let written = store::write_shard(&staging, world.rank(), slices).map_err(|e| e.to_string());
+    let (step, rank) = (snapshot.step, world.rank());
+    let staging = stage(root, world, step)?;
+    crash_point(CrashPoint::BeforeShard, step, rank);
+    let written = store::write_shard(&staging, rank, &snapshot.slices).map_err(|e| e.to_string());
     let mut files = Vec::with_capacity(world.size());
     for (rank, entry) in all_gather_json(world, &written)?.into_iter().enumerate() {
         files.push(outcome::<FileEntry>(entry, &format!("rank {rank}"))?);
     }
-    let committed = (world.rank() == 0).then(|| {
-        store::commit(root, &staging, step, world.size(), files, state).map_err(|e| e.to_string())
+    let committed = (rank == 0).then(|| {
+        crash_point(CrashPoint::BeforeCommit, step, 0);
+        store::commit(root, &staging, step, world.size(), files, snapshot.state)
+            .map_err(|e| e.to_string())
     });
     let dir = outcome(broadcast_json(world, committed.as_ref())?, "rank 0")?;
     Ok(dir)
 }
 
+/// The staging directory of the checkpoint of `step` under `root`: rank 0 creates it and tells
+/// every rank of `world`.
+pub(super) fn stage(root: &Path, world: &ProcessGroup, step: u64) -> anyhow::Result<PathBuf> {
+    let staging =
+        (world.rank() == 0).then(|| store::create_staging(root, step).map_err(|e| e.to_string()));
+    outcome(broadcast_json(world, staging.as_ref())?, "rank 0")
+}
+
 /// A rank's result, as an error naming that rank when it failed.
-fn outcome<T>(result: Result<T, String>, who: &str) -> anyhow::Result<T> {
+pub(super) fn outcome<T>(result: Result<T, String>, who: &str) -> anyhow::Result<T> {
     match result {
         Ok(value) => Ok(value),
         Err(error) => bail!("checkpoint write failed on {who}: {error}"),

@@ -17,8 +17,13 @@
 //! boxes of every file (and places the parts into the whole tensors), so a checkpoint resumes
 //! under any ZeRO stage, pipeline layout and tensor-parallel degree.
 
+mod crash;
 mod distributed;
 pub mod store;
+mod writer;
+
+pub use crash::{CRASH_ENV, CrashPoint, crash_point};
+pub use writer::BackgroundWriter;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -340,19 +345,57 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
     }
 }
 
+/// What one rank writes of a checkpoint, copied to host memory: its shard's slices and the
+/// checkpoint's state (the manifest's, the same on every rank).
+#[derive(Debug)]
+pub struct Snapshot {
+    pub step: u64,
+    pub slices: Vec<TensorSlice>,
+    pub state: serde_json::Value,
+}
+
 /// Writes a committed checkpoint of this rank's `model` chunks, their optimizer state and
-/// `state` under `root`: every rank of `world` writes its own shard (what it holds, see the
-/// module doc; `data_rank` is its rank among data-parallel replicas, `layout` places its
-/// tensor-parallel parts), and rank 0 commits once all are written. Returns the directory.
+/// `state` under `root` ([`snapshot`], then [`Snapshot::write`]). Returns the directory.
 pub fn save<B: AutodiffBackend>(
     root: &Path,
+    model: &GptChunks<B>,
+    optimizers: &Optimizers<B>,
+    state: TrainState,
+    world: &ProcessGroup,
+    data_rank: usize,
+    layout: &ModelLayout,
+) -> anyhow::Result<PathBuf> {
+    snapshot(model, optimizers, state, world, data_rank, layout)?.write(root, world)
+}
+
+impl Snapshot {
+    /// Writes this rank's shard under `root`; rank 0 commits once every rank of `world` has
+    /// written its own. Every rank calls this and learns the outcome.
+    pub fn write(self, root: &Path, world: &ProcessGroup) -> anyhow::Result<PathBuf> {
+        if world.size() == 1 {
+            crash_point(CrashPoint::BeforeShard, self.step, 0);
+            crash_point(CrashPoint::BeforeCommit, self.step, 0);
+            let shards = [(0, self.slices)];
+            return Ok(store::write_checkpoint(
+                root, self.step, &shards, self.state,
+            )?);
+        }
+        distributed::save(root, world, self)
+    }
+}
+
+/// This rank's part of a checkpoint of its `model` chunks, their optimizer state and `state`,
+/// in host memory: what it holds (see the module doc; `data_rank` is its rank among
+/// data-parallel replicas, `layout` places its tensor-parallel parts). Every rank of `world`
+/// calls this (it gathers the step counts and shapes of every rank for the manifest).
+pub fn snapshot<B: AutodiffBackend>(
     model: &GptChunks<B>,
     optimizers: &Optimizers<B>,
     mut state: TrainState,
     world: &ProcessGroup,
     data_rank: usize,
     layout: &ModelLayout,
-) -> anyhow::Result<PathBuf> {
+) -> anyhow::Result<Snapshot> {
     let first_replica = data_rank == 0;
     let mut slices = Vec::new();
     let mut steps = BTreeMap::new();
@@ -415,16 +458,22 @@ pub fn save<B: AutodiffBackend>(
     // Every rank's step counts and flattened shapes go into the one manifest.
     state.optimizer_steps = gather_union(world, steps)?;
     state.flat_shapes = gather_union(world, shapes)?;
-    if world.size() == 1 {
-        let state = serde_json::to_value(&state)?;
-        return Ok(store::write_checkpoint(
-            root,
-            state_step(&state),
-            &[(0, slices)],
-            state,
-        )?);
+    Ok(Snapshot {
+        step: state.step,
+        slices,
+        state: serde_json::to_value(&state)?,
+    })
+}
+
+/// Keeps the newest `keep_last` committed checkpoints under `root` (0 keeps all). Pruning is
+/// rank 0's alone, and failing it only warns: it must not stop rank 0 while the others go on.
+pub fn prune(root: &Path, keep_last: usize) {
+    if keep_last == 0 {
+        return;
     }
-    distributed::save(root, world, &slices, serde_json::to_value(&state)?)
+    if let Err(error) = store::prune(root, keep_last) {
+        eprintln!("warning: old checkpoints were not pruned: {error:#}");
+    }
 }
 
 /// Every parameter's global name, by id.
@@ -520,10 +569,6 @@ fn join_slices(slices: Vec<TensorSlice>) -> anyhow::Result<BTreeMap<String, Tens
         tensors.insert(name, data);
     }
     Ok(tensors)
-}
-
-fn state_step(state: &serde_json::Value) -> u64 {
-    state["step"].as_u64().unwrap_or_default()
 }
 
 /// The union of every rank's `map` (by parameter name).

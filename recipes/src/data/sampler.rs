@@ -355,6 +355,37 @@ mod tests {
         assert_eq!(sampler.cursor(), Cursor { epoch: 1, batch: 3 });
     }
 
+    /// An epoch drawn by 2 ranks up to a cursor and by 4 ranks from it (or the other way
+    /// round) is the epoch 1 rank draws: each window once, and the same global batches.
+    #[test]
+    fn a_resume_at_another_dp_continues_the_epoch() {
+        let (tokens, context, global) = (48 * 4 + 1, 4, 8);
+        let ranks = |dp: usize| -> Vec<Sampler> {
+            (0..dp)
+                .map(|r| Sampler::new(tokens, context, global, 5, (r, dp)).unwrap())
+                .collect()
+        };
+        let global_batch = |ranks: &mut [Sampler]| -> Vec<usize> {
+            ranks.iter_mut().flat_map(|s| s.next_batch()).collect()
+        };
+        let mut serial = ranks(1);
+        let epoch: Vec<Vec<usize>> = (0..6).map(|_| global_batch(&mut serial)).collect();
+        for (before, after) in [(2, 4), (4, 2)] {
+            let mut first = ranks(before);
+            let mut drawn: Vec<Vec<usize>> = (0..2).map(|_| global_batch(&mut first)).collect();
+            let mut second = ranks(after);
+            for sampler in &mut second {
+                sampler.seek(first[0].cursor());
+            }
+            drawn.extend((2..6).map(|_| global_batch(&mut second)));
+            assert_eq!(drawn, epoch, "dp {before} then dp {after}");
+            let mut windows: Vec<usize> = drawn.concat();
+            windows.sort();
+            windows.dedup();
+            assert_eq!(windows.len(), 48, "each window of the epoch once");
+        }
+    }
+
     #[test]
     fn seeking_resumes_the_same_stream() {
         let mut a = Sampler::new(1000, 4, 8, 3, (0, 1)).unwrap();

@@ -53,7 +53,7 @@ use wildfire_parallel::pp::{StepStats, run_forward, run_step};
 use wildfire_parallel::precision::{DynamicLossScaler, StepDecision};
 
 use crate::TrainBackend;
-use crate::checkpoint::{self, ModelLayout, TrainState};
+use crate::checkpoint::{self, BackgroundWriter, ModelLayout, TrainState};
 use crate::data::{Sampler, SplitMix64};
 use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
@@ -75,6 +75,8 @@ pub struct LoopSettings {
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub keep_last: usize,
+    /// Periodic checkpoints are written in the background (see `checkpoint::BackgroundWriter`).
+    pub checkpoint_in_background: bool,
     pub seed: u64,
     /// Training FLOPs per token (see `GptConfig::flops_per_token`).
     pub flops_per_token: f64,
@@ -122,6 +124,8 @@ pub struct StepLoop<B: TrainBackend> {
     /// Checkpoint template: everything but the step-dependent fields.
     pub state: TrainState,
     pub checkpoint_root: PathBuf,
+    /// The background checkpoint write in flight, if any.
+    pub writer: Mutex<BackgroundWriter>,
     pub rank: RankContext,
     /// The first error of the loop (a checkpoint or a metrics write that failed); the loop
     /// stops at it and `run` returns it.
@@ -391,7 +395,10 @@ impl<B: TrainBackend> StepLoop<B> {
         })
     }
 
-    fn checkpoint(&self, step: u64) -> anyhow::Result<()> {
+    /// Saves the checkpoint of `step`: in the background when the run asks for it, unless
+    /// `last` (the run ends after it, so it is written before); either way after the write in
+    /// flight.
+    fn checkpoint(&self, step: u64, last: bool) -> anyhow::Result<()> {
         let cursor = lock(&self.sampler).cursor();
         let state = TrainState {
             step,
@@ -400,21 +407,25 @@ impl<B: TrainBackend> StepLoop<B> {
             loss_scaler: self.scaler.as_ref().map(|s| lock(s).clone()),
             ..self.state.clone()
         };
-        checkpoint::save(
-            &self.checkpoint_root,
+        let world = &self.rank.world;
+        // The write in flight first: one snapshot in host memory at a time.
+        let mut writer = lock(&self.writer);
+        writer.wait(world)?;
+        let snapshot = checkpoint::snapshot(
             &self.current_model(),
             &self.optimizers,
             state,
-            &self.rank.world,
+            world,
             self.rank.data.rank(),
             &self.rank.layout,
         )?;
-        // Pruning is rank 0's alone; failing it must not stop rank 0 while the others go on.
-        if self.settings.keep_last > 0 && self.rank.world.rank() == 0 {
-            let pruned = checkpoint::store::prune(&self.checkpoint_root, self.settings.keep_last);
-            if let Err(error) = pruned {
-                eprintln!("warning: old checkpoints were not pruned: {error:#}");
-            }
+        let (root, keep_last) = (&self.checkpoint_root, self.settings.keep_last);
+        if self.settings.checkpoint_in_background && !last {
+            return writer.start(root, snapshot, world, keep_last);
+        }
+        snapshot.write(root, world)?;
+        if world.rank() == 0 {
+            checkpoint::prune(root, keep_last);
         }
         Ok(())
     }
@@ -537,12 +548,15 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                 )));
             }
             let periodic = settings.checkpoint_every > 0 && done % settings.checkpoint_every == 0;
-            if (periodic || last || stop) && !self.log(self.checkpoint(done)) {
+            if (periodic || last || stop) && !self.log(self.checkpoint(done, last || stop)) {
                 break;
             }
             if stop {
                 break;
             }
+        }
+        if let Some(error) = lock(&self.writer).wait_alone() {
+            self.record_error(error);
         }
         (self.current_model(), events)
     }

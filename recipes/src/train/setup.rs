@@ -589,6 +589,7 @@ fn run_rank<B: TrainBackend>(
             eval_every: config.train.eval_every,
             checkpoint_every: config.checkpoint.every,
             keep_last: config.checkpoint.keep_last,
+            checkpoint_in_background: config.checkpoint.in_background,
             seed: config.train.seed,
             flops_per_token: model_config.flops_per_token(model_config.context),
             peak_flops: config.run.peak_flops,
@@ -614,6 +615,7 @@ fn run_rank<B: TrainBackend>(
             loss_scaler: None,
         },
         checkpoint_root: run_dir.join("checkpoints"),
+        writer: Default::default(),
         rank: RankContext {
             world: world.clone(),
             pipe,
