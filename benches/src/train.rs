@@ -126,7 +126,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         let mut grads = GradientsParams::from_grads(grads, &model);
         clip_global_norm(&model, &mut grads, 1.0);
         model = optimizer.step(1e-3, model, grads);
-        let _ = model.blocks[0].attn.c_attn.weight().val().into_data();
+        let _ = model.blocks[0].attn.c_attn.weight.val().into_data();
         let done = Instant::now();
         if step >= 3 {
             forward.push((forwarded - start).as_secs_f64() * 1e3);

@@ -105,7 +105,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         (
             "mlp c_fc + gelu + c_proj",
             layers,
-            measure(iters, &x, |x| block.mlp.forward(x, None)),
+            measure(iters, &x, |x| block.mlp.forward(x, &model.tp)),
         ),
         (
             "attn c_proj 128→128",
@@ -190,7 +190,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         let _ = model
             .embeddings
             .as_ref()
-            .map(|e| e.wte.weight().grad(&loss.backward()));
+            .map(|e| e.wte.weight.grad(&loss.backward()));
     });
     println!(
         "{:<28} {:>12} {:>10} {whole:>10.2}",

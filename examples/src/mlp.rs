@@ -4,7 +4,10 @@
 //! backend type (`Autodiff<Parallel<Flex>, BalancedCheckpointing>` instead of `Autodiff<Flex>`;
 //! the checkpointing only matters to ZeRO 3), the hidden blocks wrapped in [`ShardedUnit`]
 //! (which ZeRO 3 shards; under the other stages a unit is its block), the optimizer built
-//! through the strategy, the strategy line, and the per-rank artifact directory.
+//! through the strategy, the strategy line, and the per-rank artifact directory. The hidden
+//! layers are wildfire's `ParallelLinear` and the model keeps a `TensorParallel`, so that the
+//! same model also runs tensor-parallel by a plan ([`crate::tensor_parallel`]); here, unsplit,
+//! they compute exactly what Burn's `Linear` computes.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -29,6 +32,7 @@ use wildfire_parallel::DataParallel;
 use wildfire_parallel::fsdp::ShardedUnit;
 use wildfire_parallel::pp::graphs_lock;
 use wildfire_parallel::strategy::{Silent, StrategyError};
+use wildfire_parallel::tp::{ParallelLinear, TensorParallel};
 
 /// Input features and classes.
 pub const FEATURES: usize = 16;
@@ -61,6 +65,8 @@ pub struct Mlp<B: Backend> {
     blocks: Vec<ShardedUnit<B, Block<B>>>,
     output: Linear<B>,
     activation: Relu,
+    /// Where a tensor-parallel plan put the model (see [`crate::tensor_parallel`]).
+    tp: TensorParallel<B>,
     #[module(skip)]
     log: StepLog,
 }
@@ -68,11 +74,11 @@ pub struct Mlp<B: Backend> {
 /// A hidden layer and its ReLU.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
-    linear: Linear<B>,
+    linear: ParallelLinear<B>,
     activation: Relu,
 }
 
-impl<B: Backend> Block<B> {
+impl<B: CollectiveBackend> Block<B> {
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.activation.forward(self.linear.forward(x))
     }
@@ -112,7 +118,9 @@ impl StepLog {
 impl<B: Backend> Mlp<B> {
     pub fn new(device: &B::Device, shape: Shape, log: StepLog) -> Self {
         let block = || Block {
-            linear: LinearConfig::new(shape.width, shape.width).init(device),
+            linear: LinearConfig::new(shape.width, shape.width)
+                .init(device)
+                .into(),
             activation: Relu::new(),
         };
         Self {
@@ -122,18 +130,31 @@ impl<B: Backend> Mlp<B> {
                 .collect(),
             output: LinearConfig::new(shape.width, CLASSES).init(device),
             activation: Relu::new(),
+            tp: TensorParallel::new(),
             log,
         }
     }
 }
 
+impl<B: Backend> Mlp<B> {
+    /// The layers, for a cut into pipeline stages ([`crate::pipeline::stages`]): the input
+    /// layer, the hidden blocks, the output layer and the activation.
+    #[allow(clippy::type_complexity)]
+    pub fn into_parts(self) -> (Linear<B>, Vec<ShardedUnit<B, Block<B>>>, Linear<B>, Relu) {
+        (self.input, self.blocks, self.output, self.activation)
+    }
+}
+
 impl<B: CollectiveBackend> Mlp<B> {
+    /// Logits of `inputs: [points, FEATURES]`. Under sequence parallelism the activations
+    /// between the tensor-parallel layer pairs hold this rank's part of the points.
     pub fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
-        let mut x = self.activation.forward(self.input.forward(inputs));
+        let x = self.activation.forward(self.input.forward(inputs));
+        let mut x = self.tp.enter_sequence_region(x);
         for block in &self.blocks {
             x = block.forward(x, |block, x| block.forward(x));
         }
-        self.output.forward(x)
+        self.output.forward(self.tp.leave_sequence_region(x))
     }
 
     /// The batch's mean cross-entropy and the logits.
@@ -149,17 +170,30 @@ impl<B: CollectiveBackend> Mlp<B> {
 impl<B: Backend> Mlp<B> {
     /// Every parameter's values, flattened, in registration order.
     pub fn parameters(&self) -> Vec<f32> {
-        struct Values(Vec<f32>);
-        impl<B: Backend> ModuleVisitor<B> for Values {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let data = param.val().into_data().convert::<f32>();
-                self.0.extend(data.to_vec::<f32>().unwrap_or_default());
-            }
-        }
-        let mut values = Values(Vec::new());
-        self.visit(&mut values);
-        values.0
+        parameters(self)
     }
+
+    /// The same model with every parameter drawn now, in registration order (Burn draws a
+    /// parameter on its first use): then it depends on the backend's seed alone, not on which
+    /// parts a plan splits or a pipeline stage uses first.
+    pub fn drawn(self) -> Self {
+        parameters(&self);
+        self
+    }
+}
+
+/// Every parameter's values of `module`, flattened, in registration order.
+pub fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    struct Values(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0.extend(data.to_vec::<f32>().unwrap_or_default());
+        }
+    }
+    let mut values = Values(Vec::new());
+    module.visit(&mut values);
+    values.0
 }
 
 impl<B: AutodiffBackend + CollectiveBackend> TrainStep for Mlp<B> {
@@ -275,6 +309,32 @@ impl<B: Backend> Batcher<B, Point, Points<B>> for PointBatcher {
             inputs: Tensor::from_data(TensorData::new(features, [items.len(), FEATURES]), device),
             targets: Tensor::from_data(TensorData::new(classes, [items.len()]), device),
         }
+    }
+}
+
+/// A run in a training loop of Burn's pieces (the tensor-parallel and pipeline examples): every
+/// rank draws the whole model from `seed` and sees every batch.
+#[derive(Debug, Clone)]
+pub struct LoopRun {
+    pub shape: Shape,
+    pub seed: u64,
+    /// Points per batch.
+    pub batch: usize,
+    pub steps: usize,
+    pub lr: f64,
+}
+
+impl LoopRun {
+    /// Batch `step` of the points.
+    pub fn batch<B: Backend>(&self, step: usize) -> Points<B> {
+        let points = Blobs {
+            len: self.batch * self.steps,
+            seed: 7,
+        };
+        let items = (step * self.batch..(step + 1) * self.batch)
+            .filter_map(|index| points.get(index))
+            .collect();
+        PointBatcher.batch(items, &B::Device::default())
     }
 }
 

@@ -6,16 +6,19 @@
 //! checkpoints any stage resumes ([`moments`]), AdamW offloaded per tensor ([`offload`]) and the
 //! gradient norm as a metric ([`grad_norm`])),
 //! pipeline parallelism ([`pp`]: partition, schedules as checked data, executor), tensor and
-//! sequence parallelism ([`tp`]: the layers and the plan that applies them to a model), and
+//! sequence parallelism ([`tp`]: the parallel-aware layers and the plan that splits any module that
+//! uses them), module paths ([`paths`]), gradients summed over a group ([`grad_sum`]), and
 //! mixed precision ([`precision`]: fp16 loss scaling).
 
 pub mod clip;
 pub mod dp;
 pub mod fsdp;
 pub mod grad_norm;
+pub mod grad_sum;
 pub mod mesh;
 pub mod moments;
 pub mod offload;
+pub mod paths;
 pub mod pp;
 pub mod precision;
 pub mod replicas;

@@ -1,4 +1,5 @@
-//! Tensor-parallel layers against their serial counterparts on `Autodiff<Parallel<Flex>>`, ranks
+//! Tensor-parallel layers (`ParallelLinear::split_from`, `ParallelEmbedding::split_from`: a
+//! layer split on its own, as a plan splits it) against their serial counterparts on `Autodiff<Parallel<Flex>>`, ranks
 //! as threads (2 and 4, with sizes that do not divide by them): forward outputs and the
 //! gradients of inputs and weights.
 //!
@@ -24,7 +25,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{OpKind, ProcessGroup, split_ranges};
 use wildfire_parallel::tp::{
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+    ParallelEmbedding, ParallelLinear, TpStyle, vocab_parallel_cross_entropy,
 };
 
 type B = Autodiff<Parallel<Flex>>;
@@ -114,15 +115,14 @@ fn column_parallel_matches_the_serial_layer() {
         {
             let (x, w, b, c) = (x.clone(), w.clone(), b.clone(), c.clone());
             let results = threads(ranks, move |group| {
-                let layer = ColumnParallelLinear::from_full(
-                    w.clone(),
-                    Some(b.clone()),
+                let style = TpStyle::Column {
                     sections,
-                    &group,
-                    gather,
-                );
+                    gather_output: gather,
+                };
+                let layer =
+                    ParallelLinear::split_from(w.clone(), Some(b.clone()), style, &group, None);
                 let x = fresh(&x).require_grad();
-                let y = layer.forward(x.clone()).unwrap();
+                let y = layer.forward(x.clone());
                 // Gathered, every rank scores all columns: the gather's backward keeps each rank's
                 // own part of the gradient, so the replicated loss counts once. Split, each rank
                 // scores its own columns.
@@ -181,10 +181,12 @@ fn row_parallel_matches_the_serial_layer() {
         for ranks in [2, 4] {
             let (x, w, b, c) = (x.clone(), w.clone(), b.clone(), c.clone());
             let results = threads(ranks, move |group| {
-                let layer = RowParallelLinear::from_full(fresh(&w), Some(fresh(&b)), &group);
+                let row = TpStyle::Row;
+                let layer =
+                    ParallelLinear::split_from(fresh(&w), Some(fresh(&b)), row, &group, None);
                 let cols = split_ranges(n_in, group.size())[group.rank()].clone();
                 let x_r = x.clone().slice([0..2, 0..3, cols]).require_grad();
-                let y = layer.forward(x_r.clone()).unwrap();
+                let y = layer.forward(x_r.clone());
                 let grads = (y.clone() * c.clone()).sum().backward();
                 let dw = layer.weight.val().grad(&grads).unwrap();
                 let db = layer.bias.as_ref().unwrap().val().grad(&grads).unwrap();
@@ -235,8 +237,8 @@ fn vocab_parallel_embedding_matches_the_serial_table() {
     for ranks in [2, 4] {
         let (table, ids, c) = (table.clone(), ids.clone(), c.clone());
         let results = threads(ranks, move |group| {
-            let layer = VocabParallelEmbedding::from_full(table.clone(), &group);
-            let out = layer.forward(ids.clone()).unwrap();
+            let layer = ParallelEmbedding::split_from(table.clone(), &group);
+            let out = layer.forward(ids.clone());
             let grads = (out.clone() * c.clone()).sum().backward();
             (
                 data(out),
@@ -345,13 +347,14 @@ fn sequence_parallel_layers_match_the_serial_pair() {
         let (x, w1, w2, b2, c) = (x.clone(), w1.clone(), w2.clone(), b2.clone(), c.clone());
         let results = threads(ranks, move |group| {
             let rows = split_ranges(seq, group.size())[group.rank()].clone();
-            let up = ColumnParallelLinear::from_full(fresh(&w1), None, 1, &group, false)
-                .with_sequence_parallel(true);
-            let down = RowParallelLinear::from_full(fresh(&w2), Some(fresh(&b2)), &group)
-                .with_sequence_parallel(true);
+            let sequence = Some(1);
+            let up =
+                ParallelLinear::split_from(fresh(&w1), None, TpStyle::COLUMN, &group, sequence);
+            let b2 = Some(fresh(&b2));
+            let down = ParallelLinear::split_from(fresh(&w2), b2, TpStyle::Row, &group, sequence);
             let x_r = x.clone().slice([0..2, rows.clone(), 0..4]).require_grad();
             let before = counts(&group);
-            let y_r = down.forward(up.forward(x_r.clone()).unwrap()).unwrap();
+            let y_r = down.forward(up.forward(x_r.clone()));
             let forward = counts(&group);
             let c_r = c.clone().slice([0..2, rows.clone(), 0..4]);
             let grads = (y_r.clone() * c_r).sum().backward();
@@ -386,11 +389,11 @@ fn a_parallel_mlp_issues_one_all_reduce_each_way() {
     let w1 = tensor(13, [4, 10], false);
     let w2 = tensor(14, [10, 4], false);
     let counts = threads(2, move |group| {
-        let up = ColumnParallelLinear::from_full(w1.clone(), None, 1, &group, false);
-        let down = RowParallelLinear::from_full(fresh(&w2), None, &group);
+        let up = ParallelLinear::split_from(w1.clone(), None, TpStyle::COLUMN, &group, None);
+        let down = ParallelLinear::split_from(fresh(&w2), None, TpStyle::Row, &group, None);
         let x = fresh(&x).require_grad();
         let before = group.op_count(OpKind::AllReduce);
-        let y = down.forward(gelu(up.forward(x.clone()).unwrap())).unwrap();
+        let y = down.forward(gelu(up.forward(x.clone())));
         let forward = group.op_count(OpKind::AllReduce) - before;
         let _grads = y.sum().backward();
         let backward = group.op_count(OpKind::AllReduce) - before - forward;

@@ -42,11 +42,11 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup};
-use wildfire_parallel::tp::TpPlan;
+use wildfire_parallel::tp::{TpPlan, apply_plan};
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::checkpoint::store::{cut_box, paste_box};
 use wildfire_recipes::model::params::collect_params;
-use wildfire_recipes::model::{Gpt, GptConfig, Preset, StageSpec, TP_PLAN};
+use wildfire_recipes::model::{Gpt, GptConfig, Preset, SEQUENCE_DIM, StageSpec, whole_model_rules};
 
 /// 77 % 2 and 77 % 4 are not 0: the vocabulary splits unevenly (no padding).
 const VOCAB: [&str; 2] = ["--set", "model.vocab_size=77"];
@@ -371,7 +371,7 @@ fn since(now: [u64; 3], before: [u64; 3]) -> [u64; 3] {
 /// Seeding the shared RNG and drawing a model, as one step per thread.
 static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Every rank's parameters after `Gpt::shard` are bitwise the boxes `TP_PLAN` gives it of the
+/// Every rank's parameters after `apply_plan` are bitwise the boxes `TP_PLAN` gives it of the
 /// serial model's (drawn from the same seed; replicated ones whole), and the boxes of all ranks
 /// tile every split parameter exactly once: at tp = 2 and 4, with the uneven vocabulary of 77
 /// rows.
@@ -389,8 +389,8 @@ fn sharded_parameters_are_bitwise_slices_of_the_serial_model() {
                 Gpt::<CpuBackend>::new(config, StageSpec::whole(config), &device)
             };
             let serial = collect_params(&whole, 0);
-            let plan = TpPlan::new(TP_PLAN, group.rank(), group.size());
-            let sharded = collect_params(&whole.shard(&plan, &group, false), 0);
+            let plan = TpPlan::new(&whole_model_rules(config), group.rank(), group.size());
+            let sharded = collect_params(&apply_plan(whole, &plan, &group).unwrap(), 0);
             let mut boxes = Vec::new();
             for ((name, _, full), (local_name, _, local)) in serial.iter().zip(&sharded) {
                 assert_eq!(name, local_name, "parameter order");
@@ -470,8 +470,9 @@ fn a_tensor_parallel_block_communicates_as_megatron() {
                 Tensor::<B, 3>::from_data(TensorData::new(input.clone(), [batch, seq, d]), &device)
             };
             let expected = model.run_blocks(x()).into_data().to_vec::<f32>().unwrap();
-            let plan = TpPlan::new(TP_PLAN, group.rank(), group.size());
-            let model = model.shard(&plan, &group, sequence_parallel);
+            let plan = TpPlan::new(&whole_model_rules(&config), group.rank(), group.size())
+                .with_sequence_parallel(sequence_parallel.then_some(SEQUENCE_DIM));
+            let model = apply_plan(model, &plan, &group).unwrap();
             let local = if sequence_parallel {
                 x().narrow(1, group.rank() * seq / 2, seq / 2)
             } else {

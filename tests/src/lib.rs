@@ -149,6 +149,51 @@ pub fn launch(n: usize, extra: &[&str], command: &[&str]) -> Command {
     cmd
 }
 
+/// The per-rank reports `{report}.rank-{r}.json` of a finished run of `ranks` processes (its
+/// output in the panic message when one is missing).
+pub fn rank_reports<T: serde::de::DeserializeOwned>(
+    report: &std::path::Path,
+    ranks: usize,
+    finished: &Finished,
+) -> Vec<T> {
+    (0..ranks)
+        .map(|rank| {
+            let path = format!("{}.rank-{rank}.json", report.display());
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("{path}: {e}\n{}", finished.output()));
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+        })
+        .collect()
+}
+
+/// The largest difference between `a` and `b`, relative to the largest magnitude in `b`.
+pub fn relative_difference(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    let scale = b.iter().fold(f64::MIN_POSITIVE, |m, v| m.max(v.abs()));
+    let worst = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+    worst / scale
+}
+
+/// `values` as f64.
+pub fn widened(values: &[f32]) -> Vec<f64> {
+    values.iter().map(|&v| f64::from(v)).collect()
+}
+
+/// The small run of the examples' training loops (`wildfire_examples::{tensor_parallel,
+/// pipeline}`): the MLP of width 32 with 2 hidden blocks, 10 steps of 16 points.
+pub fn example_loop_run() -> wildfire_examples::mlp::LoopRun {
+    wildfire_examples::mlp::LoopRun {
+        shape: wildfire_examples::mlp::Shape {
+            width: 32,
+            blocks: 2,
+        },
+        seed: 3,
+        batch: 16,
+        steps: 10,
+        lr: 1e-2,
+    }
+}
+
 /// Whether a process exists (zombies included).
 pub fn process_exists(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()

@@ -25,7 +25,7 @@ use wildfire_examples::mlp::{FEATURES, Mlp, Outcome, Run, Shape, StepLog, train}
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::replicas::{ReplicaError, broadcast_parameters, verify_replicas};
 use wildfire_parallel::{DataParallel, Mesh, ParallelDims};
-use wildfire_tests::{launch, run_with_limit};
+use wildfire_tests::{launch, rank_reports, run_with_limit};
 
 use crate::HEAP;
 
@@ -295,14 +295,7 @@ impl Processes {
         }
         let finished = run_with_limit(&mut command, Duration::from_secs(240));
         assert_eq!(finished.code, Some(0), "{name}: {}", finished.output());
-        (0..RANKS)
-            .map(|rank| {
-                let path = format!("{}.rank-{rank}.json", report.display());
-                let text = std::fs::read_to_string(&path)
-                    .unwrap_or_else(|e| panic!("{path}: {e}\n{}", finished.output()));
-                serde_json::from_str(&text).unwrap()
-            })
-            .collect()
+        rank_reports(&report, RANKS, &finished)
     }
 }
 

@@ -1,5 +1,6 @@
 //! Cross-crate integration tests: collectives, the decorator, tensor-parallel mappings, tcp
-//! processes, faults, and a Burn user's model under the data-parallel burn-train strategy.
+//! processes, faults, and a Burn user's model under the data-parallel burn-train strategy and
+//! split by a tensor-parallel plan or into pipeline stages.
 //!
 //! One test binary for the crate, its files as modules: every integration-test binary links Burn,
 //! wgpu and CubeCL again.
@@ -16,5 +17,7 @@ mod decorator;
 mod faults;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod pipeline_example;
 mod tcp;
 mod tensor_parallel;
+mod tensor_parallel_example;

@@ -6,7 +6,8 @@
 //! training: matched sends and receives, backward after forward, no deadlock (all ranks
 //! simulated) and bounded in-flight activations, and times it to measure its bubble.
 //! [`run_step`] runs one rank's actions on its model chunks ([`PipelineChunk`]) for a training
-//! step; [`run_forward`] runs micro-batches forward only (evaluation).
+//! step; [`run_forward`] runs micro-batches forward only (evaluation). A parameter two stages
+//! share (a tied embedding) is a copy on each, and [`TiedCopies`] gives both the summed gradient.
 //!
 //! ```
 //! use wildfire_parallel::pp::{Schedule, check};
@@ -22,6 +23,7 @@ pub mod check;
 pub mod executor;
 pub mod partition;
 pub mod schedule;
+pub mod tied;
 
 pub use check::{At, CheckError, CheckReport, SendSemantics, check, check_with};
 pub use executor::{
@@ -29,3 +31,4 @@ pub use executor::{
 };
 pub use partition::{PartitionError, partition};
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, theoretical_bubble};
+pub use tied::TiedCopies;

@@ -7,6 +7,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use wildfire_backend::DecoratedBackend;
+use wildfire_parallel::pp::TiedCopies;
 
 use super::params::{ParamFn, for_each_param};
 use super::{Gpt, StageSpec};
@@ -92,18 +93,18 @@ impl<B: Backend> GptChunks<B> {
         select.ids
     }
 
-    /// The token embedding's id and the id of the head's tied copy of it, where this rank holds
-    /// them (see [`super::Head::wte`]).
-    pub fn tied_embedding_ids(&self) -> (Option<ParamId>, Option<ParamId>) {
-        let embedding = self
+    /// The token embedding and the head's tied copy of it, where this rank holds them (see
+    /// [`super::Head::wte`]).
+    pub fn tied_embedding(&self) -> TiedCopies {
+        let first = self
             .chunks
             .iter()
-            .find_map(|c| c.embeddings.as_ref().map(|e| e.wte.weight().id));
-        let copy = self
+            .find_map(|c| c.embeddings.as_ref().map(|e| e.wte.weight.id));
+        let second = self
             .chunks
             .iter()
             .find_map(|c| c.head.as_ref().and_then(|h| h.wte.as_ref().map(|w| w.id)));
-        (embedding, copy)
+        TiedCopies { first, second }
     }
 }
 

@@ -5,28 +5,23 @@
 //! …) so that importing and exporting weights is a rename of the block prefix and of LayerNorm's
 //! gamma/beta. Linear weights are stored `[in, out]` (Burn's row layout, like GPT-2's Conv1D).
 
-use std::ops::Range;
-
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
-    Linear, LinearConfig,
+    LinearConfig,
 };
 use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
 use wildfire_backend::DecoratedBackend;
-use wildfire_backend::collective::{
-    all_gather_from_sequence_region, copy_to_parallel_region, scatter_to_parallel_region,
-};
-use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_backend::comm::{CommError, split_ranges};
 use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::layer_norm::layer_norm as fused_layer_norm;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
-    ColumnParallelLinear, RowParallelLinear, TpPlan, TpStyle, VocabParallelEmbedding,
+    ActivationPart, ParallelEmbedding, ParallelLinear, TensorParallel, TpStyle,
     vocab_parallel_cross_entropy,
 };
 
@@ -41,50 +36,47 @@ const LN_EPS: f64 = 1e-5;
 /// projection column-parallel per section, so each rank gets the same heads of Q, K and V; the
 /// output projection row-parallel), the MLP column- then row-parallel, the vocabulary split in
 /// the token embedding and the LM head (and in a tied head's copy of the embedding), the
-/// LayerNorms in the sequence-parallel region. Everything else (the position embedding) is
-/// replicated.
+/// LayerNorms in the sequence-parallel region (the sequence is dimension 1 of the residual
+/// stream, [`SEQUENCE_DIM`]). Everything else (the position embedding) is replicated. Applied by
+/// `wildfire_parallel::tp::apply_plan`, like any model's plan.
 pub const TP_PLAN: &[(&str, TpStyle)] = &[
     ("embeddings.wte", TpStyle::VocabRows),
     ("blocks.*.ln_1", TpStyle::SequenceRegion),
-    ("blocks.*.attn.c_attn", TpStyle::Column { sections: 3 }),
+    (
+        "blocks.*.attn.c_attn",
+        TpStyle::Column {
+            sections: 3,
+            gather_output: false,
+        },
+    ),
     ("blocks.*.attn.c_proj", TpStyle::Row),
     ("blocks.*.ln_2", TpStyle::SequenceRegion),
-    ("blocks.*.mlp.c_fc", TpStyle::Column { sections: 1 }),
+    ("blocks.*.mlp.c_fc", TpStyle::COLUMN),
     ("blocks.*.mlp.c_proj", TpStyle::Row),
     ("head.ln_f", TpStyle::SequenceRegion),
-    ("head.lm_head", TpStyle::Column { sections: 1 }),
+    ("head.lm_head", TpStyle::VocabColumns),
     ("head.wte", TpStyle::VocabRows),
 ];
 
-/// A model's place in its tensor-parallel group: the group, whether the residual stream is
-/// split along the sequence (sequence parallelism), and the vocabulary size (whose rows the
-/// ranks split, `split_ranges`).
-#[derive(Debug, Clone)]
-pub struct TensorParallel {
-    pub group: ProcessGroup,
-    pub sequence_parallel: bool,
-    pub vocab: usize,
+/// [`TP_PLAN`]'s rules that name parameters of the whole model of `config`, the plan to split it
+/// by (before a pipeline split): without `head.wte`, the copy of the table a pipeline split
+/// gives a tied head on another stage (made from the already split table), and without
+/// `head.lm_head` where the head is tied.
+pub fn whole_model_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
+    TP_PLAN
+        .iter()
+        .filter(|(path, _)| match *path {
+            "head.wte" => false,
+            "head.lm_head" => !config.tie_embeddings,
+            _ => true,
+        })
+        .copied()
+        .collect()
 }
 
-/// A part of an activation of the serial model: `range` of its `whole` entries along `dim`.
-#[derive(Debug, Clone)]
-pub struct ActivationPart {
-    pub dim: usize,
-    pub range: Range<usize>,
-    pub whole: usize,
-}
-
-/// The part of the sequence a residual-stream tensor with `local` positions holds: under
-/// sequence parallelism this rank's (the sequence divides by tp), the whole otherwise (`None`).
-fn sequence_part(tp: Option<&TensorParallel>, local: usize) -> Option<ActivationPart> {
-    let tp = tp.filter(|tp| tp.sequence_parallel)?;
-    let start = tp.group.rank() * local;
-    Some(ActivationPart {
-        dim: 1,
-        range: start..start + local,
-        whole: local * tp.group.size(),
-    })
-}
+/// The sequence dimension of the residual stream `[batch, seq, d]`, which sequence parallelism
+/// splits.
+pub const SEQUENCE_DIM: usize = 1;
 
 /// A collective inside the model's forward. The forward has no error path (Burn's modules
 /// return tensors), so a failed collective (a peer that died) ends this rank with its cause.
@@ -126,43 +118,13 @@ fn dropout_part<B: Backend, const D: usize>(
     (x * mask) * (1.0 / keep)
 }
 
-/// A linear layer of the GPT: whole, or this rank's part of it under tensor parallelism.
-#[derive(Module, Debug)]
-pub enum GptLinear<B: Backend> {
-    Whole(Linear<B>),
-    Column(ColumnParallelLinear<B>),
-    Row(RowParallelLinear<B>),
-}
-
-impl<B: DecoratedBackend> GptLinear<B> {
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        match self {
-            Self::Whole(linear) => {
-                let dtype = FloatDType::from(x.dtype());
-                let weight = in_dtype(linear.weight.val(), dtype);
-                let bias = linear.bias.as_ref().map(|b| in_dtype(b.val(), dtype));
-                burn::tensor::module::linear(x, weight, bias)
-            }
-            Self::Column(linear) => collective(linear.forward(x)),
-            Self::Row(linear) => collective(linear.forward(x)),
-        }
-    }
-
-    /// `gelu_tanh(self.forward(x))`, with the bias add and GELU fused into one op each way
-    /// ([`bias_gelu`]) where this rank computes whole output columns: a whole or a
-    /// column-parallel layer. A row-parallel layer's output is a sum over ranks, which GELU
-    /// must follow, so there the two run unfused.
-    pub fn forward_gelu<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        match self {
-            Self::Whole(linear) => {
-                let weight = in_dtype(linear.weight.val(), FloatDType::from(x.dtype()));
-                let product = burn::tensor::module::linear(x, weight, None);
-                fused_bias_gelu(product, linear.bias.as_ref().map(Param::val))
-            }
-            Self::Column(linear) => collective(linear.forward_with(x, fused_bias_gelu)),
-            Self::Row(_) => gelu_tanh(self.forward(x)),
-        }
-    }
+/// `gelu_tanh(linear.forward(x))`, with the bias add and GELU fused into one op each way
+/// ([`bias_gelu`]), after the sum over ranks where the layer is row-parallel.
+fn linear_gelu<B: DecoratedBackend, const D: usize>(
+    linear: &ParallelLinear<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    linear.forward_with(x, fused_bias_gelu)
 }
 
 /// `g(y + b)` as the fused op, `b` the fp32 bias as it is (the op computes in f32); a zero bias
@@ -175,60 +137,10 @@ fn fused_bias_gelu<B: DecoratedBackend, const D: usize>(
     bias_gelu(y, bias)
 }
 
-impl<B: Backend> GptLinear<B> {
-    /// The weight (`[in, out]`, or this rank's part of it).
-    pub fn weight(&self) -> &Param<Tensor<B, 2>> {
-        match self {
-            Self::Whole(linear) => &linear.weight,
-            Self::Column(linear) => &linear.weight,
-            Self::Row(linear) => &linear.weight,
-        }
-    }
-
-    /// The layer at `path` as `plan` splits it over `group` (unchanged where the plan has no
-    /// rule for it): built from this whole layer's weights, so the parts are bitwise slices.
-    fn shard(self, path: &str, plan: &TpPlan, group: &ProcessGroup, sp: bool) -> Self
-    where
-        B: DecoratedBackend,
-    {
-        let Self::Whole(linear) = self else {
-            return self;
-        };
-        let (weight, bias) = (linear.weight.val(), linear.bias.as_ref().map(|b| b.val()));
-        match plan.style(path) {
-            Some(TpStyle::Column { sections }) => Self::Column(
-                ColumnParallelLinear::from_full(weight, bias, sections, group, false)
-                    .with_sequence_parallel(sp),
-            ),
-            Some(TpStyle::Row) => Self::Row(
-                RowParallelLinear::from_full(weight, bias, group).with_sequence_parallel(sp),
-            ),
-            _ => Self::Whole(linear),
-        }
-    }
-}
-
-/// The token embedding: the whole table, or this rank's vocabulary rows.
-#[derive(Module, Debug)]
-pub enum TokenEmbedding<B: Backend> {
-    Whole(Embedding<B>),
-    Vocab(VocabParallelEmbedding<B>),
-}
-
-impl<B: Backend> TokenEmbedding<B> {
-    /// The table (`[V, d]`, or this rank's rows of it).
-    pub fn weight(&self) -> &Param<Tensor<B, 2>> {
-        match self {
-            Self::Whole(embedding) => &embedding.weight,
-            Self::Vocab(embedding) => &embedding.weight,
-        }
-    }
-}
-
 /// Token and learned position embeddings, `h₀ = dropout(wte[x] + wpe[0..T])`.
 #[derive(Module, Debug)]
 pub struct Embeddings<B: Backend> {
-    pub wte: TokenEmbedding<B>,
+    pub wte: ParallelEmbedding<B>,
     pub wpe: Embedding<B>,
     pub dropout: Dropout,
 }
@@ -238,12 +150,12 @@ pub struct Embeddings<B: Backend> {
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention<B: Backend> {
     /// Fused Q, K, V projection, `[d, 3d]`.
-    pub c_attn: GptLinear<B>,
+    pub c_attn: ParallelLinear<B>,
     /// Output projection, `[d, d]` (a residual projection: scaled initialisation).
-    pub c_proj: GptLinear<B>,
+    pub c_proj: ParallelLinear<B>,
     pub attn_dropout: Dropout,
     pub resid_dropout: Dropout,
-    /// The heads this module computes: all of them, or this tensor-parallel rank's.
+    /// The model's heads (a tensor-parallel rank computes those of its columns of `c_attn`).
     pub n_head: usize,
     /// Whether the attention core runs as one fused op with its fused backward
     /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops. It does only where
@@ -255,11 +167,11 @@ pub struct CausalSelfAttention<B: Backend> {
 /// `c_proj(gelu_tanh(c_fc(x)))`, hidden width 4d.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    pub c_fc: GptLinear<B>,
-    pub c_proj: GptLinear<B>,
+    pub c_fc: ParallelLinear<B>,
+    pub c_proj: ParallelLinear<B>,
     pub dropout: Dropout,
     /// Whether `c_fc`'s bias add and the GELU run as one fused op with its fused backward
-    /// ([`GptLinear::forward_gelu`]) rather than as decomposed ops.
+    /// ([`linear_gelu`]) rather than as decomposed ops.
     #[module(skip)]
     pub fused: bool,
 }
@@ -281,7 +193,7 @@ pub struct Block<B: Backend> {
 #[derive(Module, Debug)]
 pub struct Head<B: Backend> {
     pub ln_f: LayerNorm<B>,
-    pub lm_head: Option<GptLinear<B>>,
+    pub lm_head: Option<ParallelLinear<B>>,
     /// As [`Block::fused_norm`], for `ln_f`.
     #[module(skip)]
     pub fused_norm: bool,
@@ -305,9 +217,12 @@ pub struct Gpt<B: Backend> {
     pub head: Option<Head<B>>,
     /// Global index of `blocks[0]`.
     pub first_block: usize,
-    /// Under tensor parallelism, the group and how this rank's part sits in the whole.
+    /// Under tensor parallelism, the group and whether the residual stream is split along the
+    /// sequence (filled in by the plan).
+    pub tp: TensorParallel<B>,
+    /// The vocabulary size, whose rows tensor-parallel ranks split (`split_ranges`).
     #[module(skip)]
-    pub tp: Option<TensorParallel>,
+    pub vocab: usize,
     /// The type the residual stream and the matmuls compute in (the parameters stay fp32; see
     /// `wildfire_parallel::precision`).
     #[module(skip)]
@@ -319,19 +234,19 @@ pub struct Gpt<B: Backend> {
 }
 
 /// A linear layer initialised as GPT-2 does: weights N(0, std²), biases zero. Every linear layer
-/// of the model is built here, whole; [`Gpt::shard`] then splits those [`TP_PLAN`] names.
+/// of the model is built here, whole; a plan ([`TP_PLAN`]) may then split it.
 fn linear<B: Backend>(
     [d_in, d_out]: [usize; 2],
     bias: bool,
     std: f64,
     device: &B::Device,
-) -> GptLinear<B> {
+) -> ParallelLinear<B> {
     let mut layer = LinearConfig::new(d_in, d_out)
         .with_bias(bias)
         .with_initializer(Initializer::Normal { mean: 0.0, std })
         .init(device);
     layer.bias = layer.bias.map(|b| Param::from_tensor(b.val().zeros_like()));
-    GptLinear::Whole(layer)
+    ParallelLinear::from(layer)
 }
 
 /// Draws every lazily initialised parameter (Burn initialises a parameter on its first use) in
@@ -387,84 +302,33 @@ impl<B: Backend> Block<B> {
 
 impl<B: DecoratedBackend> Block<B> {
     /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
-    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
         let ln_1 = layer_norm_fp32(&self.ln_1, x.clone(), self.fused_norm);
         let x = x + self.attn.forward(ln_1, tp);
         let ln_2 = layer_norm_fp32(&self.ln_2, x.clone(), self.fused_norm);
         x + self.mlp.forward(ln_2, tp)
-    }
-
-    /// This block with the layers `plan` names split over `tp.group`; `index` is its global
-    /// index (the plan's paths name it). The attention and the MLP are each split as a pair, a
-    /// column-parallel layer then a row-parallel one, or (without sequence parallelism, whose
-    /// activations between the pairs hold a part of the sequence) left whole; another plan is a
-    /// programming error, and panics naming the layers.
-    fn shard(self, index: usize, plan: &TpPlan, tp: &TensorParallel) -> Self {
-        let (group, sp) = (&tp.group, tp.sequence_parallel);
-        let at = |layer: &str| format!("blocks.{index}.{layer}");
-        let pair = |first: GptLinear<B>, second: GptLinear<B>, names: [&str; 2]| {
-            let pair = (
-                first.shard(&at(names[0]), plan, group, sp),
-                second.shard(&at(names[1]), plan, group, sp),
-            );
-            let valid = match &pair {
-                (GptLinear::Column(_), GptLinear::Row(_)) => true,
-                (GptLinear::Whole(_), GptLinear::Whole(_)) => !sp,
-                _ => false,
-            };
-            assert!(
-                valid,
-                "the tensor-parallel plan must make {} column-parallel and {} row-parallel{}",
-                at(names[0]),
-                at(names[1]),
-                if sp { "" } else { ", or leave both whole" }
-            );
-            pair
-        };
-        let (c_attn, c_proj) = pair(
-            self.attn.c_attn,
-            self.attn.c_proj,
-            ["attn.c_attn", "attn.c_proj"],
-        );
-        let heads = match &c_attn {
-            GptLinear::Whole(_) => self.attn.n_head,
-            _ => self.attn.n_head / group.size(),
-        };
-        let (c_fc, mlp_proj) = pair(self.mlp.c_fc, self.mlp.c_proj, ["mlp.c_fc", "mlp.c_proj"]);
-        Self {
-            attn: CausalSelfAttention {
-                c_attn,
-                c_proj,
-                n_head: heads,
-                ..self.attn
-            },
-            mlp: Mlp {
-                c_fc,
-                c_proj: mlp_proj,
-                ..self.mlp
-            },
-            ..self
-        }
     }
 }
 
 impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
     /// the sequence in and out; the QKV projection gathers the whole sequence).
-    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
         let qkv = self.c_attn.forward(x);
         let [batch, seq, width] = qkv.dims();
-        let (heads, d) = (self.n_head, width / 3);
+        // This rank's heads: those of its columns of each of Q, K and V.
+        let d_head = self.c_proj.weight.dims()[1] / self.n_head;
+        let (d, heads) = (width / 3, width / 3 / d_head);
         // `[batch, seq, 3·heads, d_head]` is the projection's own layout: Q, K and V are views
         // of it (`unpack`; reshaping each third would copy), and the fused op takes it whole.
         let sections = qkv.reshape([batch, seq, 3 * heads, d / heads]);
         // A split projection gives this rank a contiguous range of the heads (the QKV columns
         // are split per section, at head boundaries).
-        let split = matches!(self.c_attn, GptLinear::Column(_));
-        let head_part = tp.filter(|_| split).map(|tp| ActivationPart {
+        let (rank, size) = self.c_attn.tp.rank_and_size();
+        let head_part = (size > 1).then(|| ActivationPart {
             dim: 1,
-            range: tp.group.rank() * heads..(tp.group.rank() + 1) * heads,
-            whole: heads * tp.group.size(),
+            range: rank * heads..(rank + 1) * heads,
+            whole: heads * size,
         });
         let y = match self.fused && self.attn_dropout.prob == 0.0 {
             true => fused_qkv_attention(sections, true),
@@ -476,7 +340,7 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
         let y = self
             .c_proj
             .forward(y.swap_dims(1, 2).reshape([batch, seq, d]));
-        let part = sequence_part(tp, y.dims()[1]);
+        let part = tp.sequence_part(y.dims()[SEQUENCE_DIM]);
         dropout_part(&self.resid_dropout, y, part)
     }
 }
@@ -502,13 +366,13 @@ pub fn causal_attention<B: Backend>(
 }
 
 impl<B: DecoratedBackend> Mlp<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, tp: Option<&TensorParallel>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
         let hidden = match self.fused {
-            true => self.c_fc.forward_gelu(x),
+            true => linear_gelu(&self.c_fc, x),
             false => gelu_tanh(self.c_fc.forward(x)),
         };
         let y = self.c_proj.forward(hidden);
-        let part = sequence_part(tp, y.dims()[1]);
+        let part = tp.sequence_part(y.dims()[SEQUENCE_DIM]);
         dropout_part(&self.dropout, y, part)
     }
 }
@@ -548,11 +412,10 @@ impl<B: Backend> Gpt<B> {
             std: INIT_STD,
         };
         let embeddings = stage.embedding.then(|| Embeddings {
-            wte: TokenEmbedding::Whole(
-                EmbeddingConfig::new(config.vocab_size, config.d_model)
-                    .with_initializer(normal.clone())
-                    .init(device),
-            ),
+            wte: EmbeddingConfig::new(config.vocab_size, config.d_model)
+                .with_initializer(normal.clone())
+                .init(device)
+                .into(),
             wpe: EmbeddingConfig::new(config.context, config.d_model)
                 .with_initializer(normal.clone())
                 .init(device),
@@ -573,7 +436,8 @@ impl<B: Backend> Gpt<B> {
             blocks,
             head,
             first_block: stage.first_block,
-            tp: None,
+            tp: TensorParallel::new(),
+            vocab: config.vocab_size,
             precision: Precision::Fp32,
             recompute_blocks: false,
         };
@@ -617,7 +481,7 @@ impl<B: Backend> Gpt<B> {
     pub fn split(self, stages: &[StageSpec]) -> Vec<Self> {
         let tied_copy = match (&self.embeddings, &self.head) {
             (Some(embeddings), Some(head)) if head.lm_head.is_none() => {
-                Some(embeddings.wte.weight().val())
+                Some(embeddings.wte.weight.val())
             }
             _ => None,
         };
@@ -642,6 +506,7 @@ impl<B: Backend> Gpt<B> {
                     head: stage_head,
                     first_block: stage.first_block,
                     tp: self.tp.clone(),
+                    vocab: self.vocab,
                     precision: self.precision,
                     recompute_blocks: self.recompute_blocks,
                 }
@@ -651,69 +516,6 @@ impl<B: Backend> Gpt<B> {
 }
 
 impl<B: DecoratedBackend> Gpt<B> {
-    /// This rank's part of the whole model under tensor parallelism over `group`: every layer
-    /// `plan` names is split as it says (the attention by heads, so each rank computes
-    /// `n_head / tp` of them), built from the whole layer's weights, so the parts are bitwise
-    /// slices of the serial model's parameters. Apply before [`Gpt::split`] into pipeline stages.
-    /// The plan must split the vocabulary (the token embedding by rows, an untied LM head by
-    /// columns): the head and the loss are vocabulary-parallel. It may leave a block's attention
-    /// or MLP whole, without sequence parallelism (see `Block::shard`); [`TP_PLAN`] splits all.
-    pub fn shard(self, plan: &TpPlan, group: &ProcessGroup, sequence_parallel: bool) -> Self {
-        let vocab = self
-            .embeddings
-            .as_ref()
-            .expect("shard() the whole model, before splitting it into pipeline stages")
-            .wte
-            .weight()
-            .val()
-            .dims()[0];
-        let tp = TensorParallel {
-            group: group.clone(),
-            sequence_parallel,
-            vocab,
-        };
-        let embeddings = self.embeddings.map(|embeddings| {
-            let wte = match (embeddings.wte, plan.style("embeddings.wte")) {
-                (TokenEmbedding::Whole(table), Some(TpStyle::VocabRows)) => TokenEmbedding::Vocab(
-                    VocabParallelEmbedding::from_full(table.weight.val(), group),
-                ),
-                _ => panic!(
-                    "the tensor-parallel plan must split embeddings.wte by vocabulary rows: the \
-                     head and the loss are vocabulary-parallel"
-                ),
-            };
-            Embeddings { wte, ..embeddings }
-        });
-        let head = self.head.map(|head| Head {
-            lm_head: head.lm_head.map(|lm_head| {
-                match lm_head.shard("head.lm_head", plan, group, sequence_parallel) {
-                    column @ GptLinear::Column(_) => column,
-                    _ => panic!(
-                        "the tensor-parallel plan must make head.lm_head column-parallel: the \
-                         loss is vocabulary-parallel"
-                    ),
-                }
-            }),
-            ..head
-        });
-        let first = self.first_block;
-        let blocks = self
-            .blocks
-            .into_iter()
-            .enumerate()
-            .map(|(i, block)| block.shard(first + i, plan, &tp))
-            .collect();
-        Self {
-            embeddings,
-            blocks,
-            head,
-            first_block: first,
-            tp: Some(tp),
-            precision: self.precision,
-            recompute_blocks: self.recompute_blocks,
-        }
-    }
-
     /// Token ids `[batch, seq]` → residual stream `[batch, seq, d]` (under sequence parallelism,
     /// this rank's part of the sequence).
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
@@ -723,25 +525,18 @@ impl<B: DecoratedBackend> Gpt<B> {
             .expect("embed() on a stage without embeddings");
         let [_, seq] = tokens.dims();
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &tokens.device()).unsqueeze();
-        let tokens = match &embeddings.wte {
-            TokenEmbedding::Whole(table) => table.forward(tokens),
-            TokenEmbedding::Vocab(table) => collective(table.forward(tokens)),
-        };
-        let mut x = in_dtype(
-            tokens + embeddings.wpe.forward(positions),
+        let x = in_dtype(
+            embeddings.wte.forward(tokens) + embeddings.wpe.forward(positions),
             self.precision.compute_dtype(),
         );
-        let tp = self.tp.as_ref();
-        if let Some(tp) = tp.filter(|tp| tp.sequence_parallel) {
-            x = collective(scatter_to_parallel_region(x, &tp.group, 1));
-        }
-        let part = sequence_part(tp, x.dims()[1]);
+        let x = self.tp.enter_sequence_region(x);
+        let part = self.tp.sequence_part(x.dims()[SEQUENCE_DIM]);
         dropout_part(&embeddings.dropout, x, part)
     }
 
     /// The stage's blocks, in order.
     pub fn run_blocks(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let tp = self.tp.as_ref();
+        let tp = &self.tp;
         self.blocks.iter().fold(x, |x, block| block.forward(x, tp))
     }
 
@@ -759,18 +554,12 @@ impl<B: DecoratedBackend> Gpt<B> {
         }
         let wte = match (&head.wte, &self.embeddings) {
             (Some(copy), _) => copy,
-            (None, Some(embeddings)) => embeddings.wte.weight(),
+            (None, Some(embeddings)) => &embeddings.wte.weight,
             (None, None) => unreachable!("split() gives a tied head without the embedding a copy"),
         };
         // The head is column-parallel in the vocabulary: its input enters the tensor-parallel
         // region as a column-parallel layer's does.
-        let x = match &self.tp {
-            None => x,
-            Some(tp) if tp.sequence_parallel => {
-                collective(all_gather_from_sequence_region(x, &tp.group, 1))
-            }
-            Some(tp) => collective(copy_to_parallel_region(x, &tp.group)),
-        };
+        let x = self.tp.enter_parallel_region(x);
         let wte = in_dtype(wte.val(), FloatDType::from(x.dtype()));
         x.matmul(wte.transpose().unsqueeze())
     }
@@ -785,12 +574,12 @@ impl<B: DecoratedBackend> Gpt<B> {
     /// same value on every rank.
     pub fn loss_sum(&self, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
         let logits = in_dtype(logits, FloatDType::F32);
-        match &self.tp {
+        match self.tp.group() {
             None => cross_entropy_sum(logits, targets).0,
-            Some(tp) => {
-                let rows = &split_ranges(tp.vocab, tp.group.size())[tp.group.rank()];
+            Some(group) => {
+                let rows = &split_ranges(self.vocab, group.size())[group.rank()];
                 collective(vocab_parallel_cross_entropy(
-                    logits, targets, rows.start, &tp.group,
+                    logits, targets, rows.start, group,
                 ))
             }
         }

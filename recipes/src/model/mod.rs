@@ -5,9 +5,9 @@
 //! - blocks carry their *global* index, so a pipeline stage holding blocks 4..8 names them
 //!   `blocks.4` … `blocks.7` in checkpoints ([`StageSpec`]);
 //! - the embeddings and the head are optional per stage;
-//! - every linear layer is built whole by one function (`gpt::linear`); under tensor parallelism
-//!   `Gpt::shard` then replaces the layers the plan [`TP_PLAN`] names (by parameter path) with
-//!   their tensor-parallel parts.
+//! - every linear layer is built whole by one function (`gpt::linear`), as wildfire's
+//!   `ParallelLinear`; under tensor parallelism `wildfire_parallel::tp::apply_plan` splits the
+//!   layers the plan [`TP_PLAN`] names (by parameter path) into this rank's parts.
 
 mod chunks;
 mod gpt;
@@ -15,8 +15,8 @@ pub mod params;
 
 pub use chunks::{GptChunks, stage_specs};
 pub use gpt::{
-    Block, CausalSelfAttention, Embeddings, Gpt, GptLinear, Head, Mlp, TIED_COPY, TOKEN_EMBEDDING,
-    TP_PLAN, TensorParallel, TokenEmbedding, causal_attention, cross_entropy_sum, gelu_tanh,
+    Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, SEQUENCE_DIM, TIED_COPY,
+    TOKEN_EMBEDDING, TP_PLAN, causal_attention, cross_entropy_sum, gelu_tanh, whole_model_rules,
 };
 
 use serde::{Deserialize, Serialize};

@@ -129,7 +129,7 @@ impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
     ) -> Tensor<B, 3> {
         let x = input.unwrap_or_else(|| self.embed(batch.inputs.clone()));
         match self.blocks.get(segment) {
-            Some(block) => block.forward(x, self.tp.as_ref()),
+            Some(block) => block.forward(x, &self.tp),
             None => x,
         }
     }

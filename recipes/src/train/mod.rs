@@ -36,7 +36,6 @@ use burn::data::dataloader::Progress;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
 use burn::train::EventProcessorTraining;
 use burn::train::{
     Learner, LearnerEvent, LearningComponentsMarker, SupervisedLearningStrategy,
@@ -46,11 +45,12 @@ use burn::train::{
 
 use anyhow::bail;
 use burn::optim::GradientsParams;
-use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp};
+use wildfire_backend::comm::{HostTensor, ProcessGroup};
 use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
 use wildfire_parallel::mesh::PipelinePlan;
 use wildfire_parallel::pp::{StepStats, run_forward, run_step};
 use wildfire_parallel::precision::{DynamicLossScaler, StepDecision};
+use wildfire_parallel::tp::SequencePartial;
 
 use crate::TrainBackend;
 use crate::checkpoint::{self, BackgroundWriter, ModelLayout, TrainState};
@@ -103,9 +103,9 @@ pub struct RankContext {
     /// The parameters whose gradients another rank puts into the norm (see
     /// `update::counted_elsewhere`).
     pub counted_elsewhere: Vec<ParamId>,
-    /// Under sequence parallelism, the parameters (id, rank) whose gradients cover this rank's
-    /// part of the sequence only (see `TpPlan::is_sequence_partial`); empty otherwise.
-    pub sequence_partial: Vec<(ParamId, usize)>,
+    /// Under sequence parallelism, the parameters whose gradients cover this rank's part of the
+    /// sequence only (see `TpPlan::is_sequence_partial`); none otherwise.
+    pub sequence_partial: SequencePartial,
 }
 
 /// The step-based learning strategy. Besides what burn-train hands to `fit`, it holds the shared
@@ -252,7 +252,8 @@ impl<B: TrainBackend> StepLoop<B> {
             && zero.stage() == ZeroStage::Three
         {
             let started = Instant::now();
-            let step = run_sharded_step(&zero, &model.chunks, micro, tied_pair(model))?;
+            let step =
+                run_sharded_step(&zero, &model.chunks, micro, model.tied_embedding().both())?;
             let grads = step.grads;
             let stats = StepStats {
                 loss: step.loss,
@@ -282,47 +283,27 @@ impl<B: TrainBackend> StepLoop<B> {
     }
 
     /// Gives both copies of a tied embedding (first stage's `wte`, last stage's head copy) the
-    /// sum of their gradients: `∂L/∂wte = ∂L/∂wte|embedding + ∂L/∂wte|head`, in that order.
+    /// sum of their gradients (see [`TiedCopies`]).
     fn sum_tied_embedding(
         &self,
         model: &GptChunks<B>,
         grads: &mut GradientsParams,
     ) -> anyhow::Result<()> {
-        let (embedding, copy) = model.tied_embedding_ids();
-        match (embedding, copy, &self.rank.tie_group) {
-            (Some(embedding), Some(copy), _) => {
-                let (Some(a), Some(b)) = (
-                    grads.remove::<B::InnerBackend, 2>(embedding),
-                    grads.remove::<B::InnerBackend, 2>(copy),
-                ) else {
-                    bail!("the tied embedding has no gradient on one of its copies");
-                };
-                let sum = a + b;
-                grads.register(embedding, sum.clone());
-                grads.register(copy, sum);
-            }
-            (Some(id), None, Some(group)) | (None, Some(id), Some(group)) => {
-                all_reduce_gradient::<B::InnerBackend, 2>(grads, id, group)?;
-            }
-            _ => {}
-        }
-        Ok(())
+        let group = self.rank.tie_group.as_ref();
+        Ok(model
+            .tied_embedding()
+            .sum::<B::InnerBackend, 2>(grads, group)?)
     }
 
     /// Under sequence parallelism, sums over the tensor-parallel group the gradients of the
     /// parameters every rank holds whole but applies to its part of the sequence only (the
-    /// LayerNorms, the row-parallel layers' biases): each rank's is the sum over its positions,
-    /// the parameter's is the sum over all of them.
+    /// LayerNorms, the row-parallel layers' biases; see [`SequencePartial`]).
     fn sum_sequence_partial(&self, grads: &mut GradientsParams) -> anyhow::Result<()> {
         let group = &self.rank.tensor;
-        for &(id, dims) in &self.rank.sequence_partial {
-            match dims {
-                1 => all_reduce_gradient::<B::InnerBackend, 1>(grads, id, group)?,
-                2 => all_reduce_gradient::<B::InnerBackend, 2>(grads, id, group)?,
-                _ => bail!("a sequence-parallel parameter of rank {dims}: only 1 and 2 occur"),
-            }
-        }
-        Ok(())
+        Ok(self
+            .rank
+            .sequence_partial
+            .sum::<B::InnerBackend>(grads, group)?)
     }
 
     /// `value` summed over every rank (itself on one rank).
@@ -370,7 +351,7 @@ impl<B: TrainBackend> StepLoop<B> {
         let loss_sum = match sharded.as_deref() {
             Some(zero) if zero.stage() == ZeroStage::Three => {
                 let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
-                run_sharded_forward(zero, &model.chunks, &batches, tied_pair(model))?
+                run_sharded_forward(zero, &model.chunks, &batches, model.tied_embedding().both())?
             }
             _ => {
                 let model = burn::module::AutodiffModule::valid(model);
@@ -559,30 +540,6 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
             self.record_error(error);
         }
         (self.current_model(), events)
-    }
-}
-
-/// Replaces the gradient of parameter `id` by its sum over `group`.
-fn all_reduce_gradient<B: Backend, const D: usize>(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    group: &ProcessGroup,
-) -> anyhow::Result<()> {
-    let Some(grad) = grads.remove::<B, D>(id) else {
-        bail!(
-            "a parameter whose gradient is summed over {} has no gradient",
-            group.describe()
-        );
-    };
-    grads.register(id, group.all_reduce(grad, ReduceOp::Sum)?);
-    Ok(())
-}
-
-/// The tied embedding and the head's copy of it, when this rank holds both (ZeRO 3).
-fn tied_pair<B: TrainBackend>(model: &GptChunks<B>) -> Option<(ParamId, ParamId)> {
-    match model.tied_embedding_ids() {
-        (Some(embedding), Some(copy)) => Some((embedding, copy)),
-        _ => None,
     }
 }
 

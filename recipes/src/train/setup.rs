@@ -38,10 +38,12 @@ use crate::data::{self, Sampler, Splits, Tokenizer, TokenizerKind, Tokens, load_
 use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
-use crate::model::{Gpt, GptChunks, GptConfig, StageSpec, TP_PLAN};
+use crate::model::{
+    Gpt, GptChunks, GptConfig, SEQUENCE_DIM, StageSpec, TP_PLAN, whole_model_rules,
+};
 use crate::optim::{MatrixDecayAdamW, SharedOptimizer, WarmupCosine};
 use crate::{CpuBackend, TrainBackend};
-use wildfire_parallel::tp::TpPlan;
+use wildfire_parallel::tp::{SequencePartial, TpPlan, apply_plan};
 
 /// What a finished (or stopped) run reports to its caller.
 #[derive(Debug)]
@@ -472,7 +474,9 @@ fn run_rank<B: TrainBackend>(
 
     // Process-wide: ranks that are threads of this process set the same value.
     set_matmul_precision(config.precision.matmul);
-    let tp_plan = TpPlan::new(TP_PLAN, tensor.rank(), tensor.size());
+    let (tp_rank, tp_size) = (tensor.rank(), tensor.size());
+    let tp_plan = TpPlan::new(TP_PLAN, tp_rank, tp_size)
+        .with_sequence_parallel(parallel.sequence_parallel.then_some(SEQUENCE_DIM));
     let device = B::Device::default();
     let (layout, mut model) = {
         // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
@@ -492,10 +496,9 @@ fn run_rank<B: TrainBackend>(
             (None, None) => whole,
         };
         let layout = ModelLayout::new(&whole, tp_plan.clone());
-        let whole = match dims.tp {
-            1 => whole,
-            _ => whole.shard(&tp_plan, &tensor, parallel.sequence_parallel),
-        };
+        let split_plan = TpPlan::new(&whole_model_rules(&model_config), tp_rank, tp_size)
+            .with_sequence_parallel(tp_plan.sequence_dim);
+        let whole = apply_plan(whole, &split_plan, &tensor)?;
         let chunks = match stage {
             // ZeRO 3 runs one block per unit (see `run_sharded_step`).
             ZeroStage::Three => {
@@ -623,12 +626,9 @@ fn run_rank<B: TrainBackend>(
             plan: plan.clone(),
             tie_group,
             counted_elsewhere: counted_elsewhere(&model, &layout),
-            sequence_partial: match parallel.sequence_parallel {
-                true => {
-                    model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims))
-                }
-                false => Vec::new(),
-            },
+            sequence_partial: SequencePartial::new(
+                model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims)),
+            ),
             tensor,
             replica,
             layout,

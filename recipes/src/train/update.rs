@@ -6,6 +6,7 @@ use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::ZeroStage;
+use wildfire_parallel::pp::TiedCopies;
 use wildfire_parallel::update::Update;
 
 use crate::checkpoint::ModelLayout;
@@ -24,7 +25,10 @@ pub fn zero_layout<B: AutodiffBackend>(
     stage: ZeroStage,
     bucket_bytes: usize,
 ) -> FlatLayout {
-    let (embedding, copy) = model.tied_embedding_ids();
+    let TiedCopies {
+        first: embedding,
+        second: copy,
+    } = model.tied_embedding();
     let units = stage == ZeroStage::Three;
     let specs: Vec<ParamSpec> = model
         .chunks

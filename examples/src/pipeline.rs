@@ -1,0 +1,169 @@
+//! The MLP classifier of [`crate::mlp`] cut into pipeline stages: stage 0 holds the input layer
+//! and the first hidden blocks, the last stage the remaining blocks and the output layer. What
+//! the user writes is the cut ([`stages`]) and the [`PipelineChunk`] of a stage (its forward,
+//! and the loss on the last one); wildfire's schedules (GPipe, 1F1B), the checker that proves
+//! them deadlock-free and the executor run it. Each step cuts the batch into micro-batches, each
+//! micro-batch's loss scaled by `1/m` so that the summed gradients are the batch mean's, as a
+//! serial step's.
+//!
+//! The executor passes activations as `[.., .., ..]` tensors: a stage hands over its
+//! `[points, width]` activation as `[1, points, width]`.
+
+use burn::module::{AutodiffModule, Module};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, Relu};
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
+use wildfire_backend::collective::CollectiveBackend;
+use wildfire_backend::comm::ProcessGroup;
+use wildfire_parallel::fsdp::ShardedUnit;
+use wildfire_parallel::pp::{
+    CheckError, PipelineChunk, PipelineError, Schedule, ScheduleError, ScheduleKind, check,
+    graphs_lock, run_step,
+};
+
+use crate::mlp::{Block, LoopRun, Mlp, Points};
+
+/// One pipeline stage of the MLP: the input layer on the first stage, a run of hidden blocks,
+/// the output layer on the last stage.
+#[derive(Module, Debug)]
+pub struct MlpStage<B: Backend> {
+    input: Option<Linear<B>>,
+    blocks: Vec<ShardedUnit<B, Block<B>>>,
+    output: Option<Linear<B>>,
+    activation: Relu,
+}
+
+/// A micro-batch and the factor its mean loss is scaled by (`1/m`).
+#[derive(Debug, Clone)]
+pub struct MicroBatch<B: Backend> {
+    pub points: Points<B>,
+    pub loss_scale: f64,
+}
+
+/// `model` cut into `cuts.len() + 1` stages, stage `s` holding hidden blocks
+/// `cuts[s-1]..cuts[s]` (from 0, to the last): moved, not drawn again, so the stages are the
+/// serial model's parts.
+pub fn stages<B: Backend>(model: Mlp<B>, cuts: &[usize]) -> Vec<MlpStage<B>> {
+    let (input, blocks, output, activation) = model.into_parts();
+    let (mut input, mut output, mut blocks) = (Some(input), Some(output), blocks.into_iter());
+    let starts = std::iter::once(0).chain(cuts.iter().copied());
+    let ends = cuts.iter().copied().map(Some).chain([None]);
+    let last = cuts.len();
+    starts
+        .zip(ends)
+        .enumerate()
+        .map(|(stage, (start, end))| MlpStage {
+            input: input.take(),
+            blocks: match end {
+                Some(end) => blocks.by_ref().take(end - start).collect(),
+                None => blocks.by_ref().collect(),
+            },
+            output: if stage == last { output.take() } else { None },
+            activation: activation.clone(),
+        })
+        .collect()
+}
+
+impl<B: AutodiffBackend + CollectiveBackend> PipelineChunk<B> for MlpStage<B> {
+    type Batch = MicroBatch<B>;
+
+    fn forward(&self, input: Option<Tensor<B, 3>>, batch: &MicroBatch<B>) -> Tensor<B, 3> {
+        let x = match (&self.input, input) {
+            (Some(layer), None) => {
+                let inputs = batch.points.inputs.clone();
+                self.activation.forward(layer.forward(inputs))
+            }
+            (None, Some(x)) => x.squeeze_dim(0),
+            _ => panic!("the first stage reads the batch, every other stage its input"),
+        };
+        let x =
+            (self.blocks.iter()).fold(x, |x, block| block.forward(x, |block, x| block.forward(x)));
+        match &self.output {
+            Some(output) => output.forward(x),
+            None => x,
+        }
+        .unsqueeze()
+    }
+
+    fn loss(&self, output: Tensor<B, 3>, batch: &MicroBatch<B>) -> (Tensor<B, 1>, f64) {
+        let logits = output.squeeze_dim(0);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, batch.points.targets.clone())
+            * batch.loss_scale;
+        let value = loss.clone().into_scalar().elem::<f64>();
+        (loss, value)
+    }
+}
+
+/// Why a pipeline run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineRunError {
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    #[error(transparent)]
+    Check(#[from] CheckError),
+    #[error(transparent)]
+    Step(#[from] PipelineError),
+}
+
+/// Batch `step` of `run` cut into `m` micro-batches, each mean loss scaled by `1/m`.
+pub fn micro_batches<B: AutodiffBackend>(
+    run: &LoopRun,
+    step: usize,
+    m: usize,
+) -> Vec<MicroBatch<B>> {
+    let whole = run.batch::<B>(step);
+    let size = run.batch / m;
+    (0..m)
+        .map(|mb| MicroBatch {
+            points: Points {
+                inputs: whole.inputs.clone().narrow(0, mb * size, size),
+                targets: whole.targets.clone().narrow(0, mb * size, size),
+            },
+            loss_scale: 1.0 / m as f64,
+        })
+        .collect()
+}
+
+/// Trains `run` (its model drawn whole from its seed, cut at `cuts`) on this rank of the
+/// pipeline `group`, one stage per rank, with `kind`'s schedule of `m` micro-batches and Burn's
+/// AdamW on each stage: returns this rank's trained stage and every step's loss (the last
+/// stage's; 0 on the others).
+pub fn train<B>(
+    run: &LoopRun,
+    cuts: &[usize],
+    kind: ScheduleKind,
+    m: usize,
+    group: &ProcessGroup,
+) -> Result<(MlpStage<B>, Vec<f64>), PipelineRunError>
+where
+    B: AutodiffBackend + CollectiveBackend,
+    MlpStage<B>: AutodiffModule<B>,
+{
+    let schedule = Schedule::build(kind, group.size(), 1, m)?;
+    check(&schedule)?;
+    let device = B::Device::default();
+    let mut stage = {
+        // Ranks that are threads of one process share Burn's RNG and autodiff registry.
+        let _lock = graphs_lock();
+        B::seed(&device, run.seed);
+        let model = Mlp::<B>::new(&device, run.shape, Default::default()).drawn();
+        stages(model, cuts).swap_remove(group.rank())
+    };
+    let mut optimizer = AdamWConfig::new().init();
+    let mut losses = Vec::with_capacity(run.steps);
+    for step in 0..run.steps {
+        let micro = micro_batches::<B>(run, step, m);
+        let chunks = [stage];
+        let result = run_step(&schedule, group.rank(), group, &chunks, &micro, &device)?;
+        let [chunk] = chunks;
+        losses.push(result.stats.loss);
+        let grads = result.grads.into_iter().next().unwrap_or_default();
+        let _lock = graphs_lock();
+        stage = optimizer.step(run.lr, chunk, grads);
+    }
+    Ok((stage, losses))
+}

@@ -1,0 +1,238 @@
+//! [`apply_plan`]: one function that splits any Burn module by a [`TpPlan`].
+//!
+//! It walks the module twice. The first walk (a visitor, [`check_plan`]) surveys it: every
+//! parameter's path and shape, and every [`TensorParallel`] slot's path and layer; the plan is
+//! checked against them before anything is split. The second walk (a mapper) cuts each parameter the plan splits to this rank's part,
+//! as a copy with the same id, and fills in every slot. Slots hold no parameters, so they
+//! learn where they are from the walk, kept for its duration in a thread-local (a mapper's type
+//! is the caller's; Burn gives a module no other way to see it).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use wildfire_backend::comm::{ProcessGroup, split_ranges};
+
+use super::plan::{PlanError, TpPlan, TpStyle};
+use super::slot::{Applied, Layer, TensorParallel};
+use crate::paths::PathStack;
+
+/// The walk in progress on this thread.
+struct Walk {
+    path: PathStack,
+    /// Survey: the slots met, by the path of the module holding them.
+    slots: Vec<(String, Layer)>,
+    /// Apply: the plan, the group and every parameter's whole shape (from the survey).
+    apply: Option<(TpPlan, ProcessGroup, HashMap<String, Vec<usize>>)>,
+}
+
+thread_local! {
+    static WALK: RefCell<Option<Walk>> = const { RefCell::new(None) };
+}
+
+/// Ends the walk when dropped, also when a walk unwinds.
+struct WalkGuard;
+
+impl WalkGuard {
+    fn start(apply: Option<(TpPlan, ProcessGroup, HashMap<String, Vec<usize>>)>) -> Self {
+        WALK.with(|walk| {
+            *walk.borrow_mut() = Some(Walk {
+                path: PathStack::default(),
+                slots: Vec::new(),
+                apply,
+            })
+        });
+        Self
+    }
+
+    fn slots(&self) -> Vec<(String, Layer)> {
+        with_walk(|walk| std::mem::take(&mut walk.slots)).unwrap_or_default()
+    }
+}
+
+impl Drop for WalkGuard {
+    fn drop(&mut self) {
+        WALK.with(|walk| walk.borrow_mut().take());
+    }
+}
+
+fn with_walk<T>(f: impl FnOnce(&mut Walk) -> T) -> Option<T> {
+    WALK.with(|walk| walk.borrow_mut().as_mut().map(f))
+}
+
+/// A slot met by the survey: recorded with the path of the module holding it.
+pub(super) fn survey_slot(layer: Layer) {
+    with_walk(|walk| {
+        if walk.apply.is_none() {
+            walk.slots.push((walk.path.parent(), layer));
+        }
+    });
+}
+
+/// A slot met while a plan is applied: filled in with its layer's style under the plan.
+pub(super) fn fill_slot<B: Backend>(slot: TensorParallel<B>) -> TensorParallel<B> {
+    let applied = with_walk(|walk| {
+        let (plan, group, shapes) = walk.apply.as_ref()?;
+        let path = walk.path.parent();
+        let style = plan.exact_style(&path);
+        let part = (style == Some(TpStyle::VocabRows)).then(|| {
+            let rows = shapes.get(&format!("{path}.weight")).map_or(0, |s| s[0]);
+            split_ranges(rows, plan.size)[plan.rank].clone()
+        });
+        Some(Applied {
+            group: group.clone(),
+            style,
+            part,
+            sequence_dim: plan.sequence_dim,
+        })
+    });
+    match applied.flatten() {
+        Some(applied) => slot.with_applied(applied),
+        None => slot,
+    }
+}
+
+/// The survey: parameters' paths and shapes (slots report themselves to the walk).
+struct Survey(Vec<(String, Vec<usize>)>);
+
+impl<B: Backend> ModuleVisitor<B> for Survey {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        with_walk(|walk| walk.path.enter(name, container));
+    }
+    fn exit_module(&mut self, _: &str, container: &str) {
+        with_walk(|walk| walk.path.exit(container));
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let path = with_walk(|walk| walk.path.current()).unwrap_or_default();
+        self.0.push((path, param.lazy_shape().to_vec()));
+    }
+}
+
+/// The second walk: each parameter the plan splits becomes this rank's part of it.
+struct Cut;
+
+impl<B: Backend> ModuleMapper<B> for Cut {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        with_walk(|walk| walk.path.enter(name, container));
+    }
+    fn exit_module(&mut self, _: &str, container: &str) {
+        with_walk(|walk| walk.path.exit(container));
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let at = with_walk(|walk| {
+            let (plan, ..) = walk.apply.as_ref()?;
+            Some((walk.path.current(), plan.clone()))
+        });
+        let Some((path, plan)) = at.flatten() else {
+            return param;
+        };
+        if !plan.is_split(&path, D) {
+            return param;
+        }
+        param.map(|whole| {
+            let require_grad = whole.is_require_grad();
+            plan.local_part(&path, whole).set_require_grad(require_grad)
+        })
+    }
+}
+
+/// `module` split over `group` by `plan`: each parameter the plan splits replaced by this
+/// rank's part of it (a copy with the parameter's id, so parts are bitwise slices of the whole),
+/// and every [`TensorParallel`] slot filled in, so that the parallel layers issue the
+/// collectives their styles need (see [`super::layers`]). Apply it to the whole model, before
+/// an optimizer is built or a pipeline split.
+///
+/// Refused before anything is split, naming the path and sizes, where [`check_plan`] refuses
+/// the plan. (The module is consumed either way; call [`check_plan`] first to keep it.)
+pub fn apply_plan<B: Backend, M: Module<B>>(
+    module: M,
+    plan: &TpPlan,
+    group: &ProcessGroup,
+) -> Result<M, PlanError> {
+    let params = check_plan(&module, plan, group)?;
+    let shapes = params.into_iter().collect();
+    let _guard = WalkGuard::start(Some((plan.clone(), group.clone(), shapes)));
+    Ok(module.map(&mut Cut))
+}
+
+/// Checks that `plan` fits `module` over `group`, returning the module's parameters as
+/// `(path, shape)`. Refused, naming the path and sizes: a rule that matches no parameter, a
+/// parameter two rules match, a split that does not divide ([`TpPlan::check`]), a split style
+/// on a module that is not one of wildfire's parallel layers (Burn's `Linear` would compute with
+/// its slice and never communicate), a style its layer cannot take (a row split of an
+/// embedding), and a plan for another rank or group size than `group`'s.
+pub fn check_plan<B: Backend, M: Module<B>>(
+    module: &M,
+    plan: &TpPlan,
+    group: &ProcessGroup,
+) -> Result<Vec<(String, Vec<usize>)>, PlanError> {
+    if (plan.rank, plan.size) != (group.rank(), group.size()) {
+        return Err(PlanError::WrongGroup {
+            plan_rank: plan.rank,
+            plan_size: plan.size,
+            group_rank: group.rank(),
+            group_size: group.size(),
+        });
+    }
+    let (params, slots) = {
+        let guard = WalkGuard::start(None);
+        let mut survey = Survey(Vec::new());
+        module.visit(&mut survey);
+        (survey.0, guard.slots())
+    };
+    plan.check(&params)?;
+    check_layers(plan, &params, &slots)?;
+    Ok(params)
+}
+
+/// Every split parameter belongs to a parallel layer that takes its style (or, split by
+/// vocabulary rows, is a table the plan names exactly: a tied head's copy), and every layer the
+/// plan names takes its style.
+fn check_layers(
+    plan: &TpPlan,
+    params: &[(String, Vec<usize>)],
+    slots: &[(String, Layer)],
+) -> Result<(), PlanError> {
+    let layers: HashMap<&str, Layer> = slots.iter().map(|(p, l)| (p.as_str(), *l)).collect();
+    for (path, layer) in slots {
+        let Some(style) = plan.exact_style(path) else {
+            continue;
+        };
+        let needed = match style {
+            TpStyle::Column { .. } | TpStyle::Row | TpStyle::VocabColumns => Layer::Linear,
+            TpStyle::VocabRows => Layer::Embedding,
+            TpStyle::Replicated | TpStyle::SequenceRegion => *layer,
+        };
+        if needed != *layer {
+            return Err(wrong_layer(path, layer.describe().to_string(), style));
+        }
+    }
+    for (path, shape) in params {
+        let (Some(style), true) = (plan.style(path), plan.is_split(path, shape.len())) else {
+            continue;
+        };
+        let owner = path.rsplit_once('.').map_or("", |(owner, _)| owner);
+        let owned_by_layer = layers.contains_key(owner) && plan.exact_style(owner) == Some(style);
+        let bare_table = style == TpStyle::VocabRows && plan.exact_style(path).is_some();
+        if !owned_by_layer && !bare_table {
+            let found = format!("a parameter of `{owner}`, which is not a wildfire parallel layer");
+            return Err(wrong_layer(path, found, style));
+        }
+    }
+    Ok(())
+}
+
+fn wrong_layer(path: &str, found: String, style: TpStyle) -> PlanError {
+    let needed = match style {
+        TpStyle::VocabRows => "a ParallelEmbedding (or a table parameter named by the rule)",
+        _ => "a ParallelLinear",
+    };
+    PlanError::WrongLayer {
+        path: path.to_string(),
+        found,
+        style,
+        needed,
+    }
+}

@@ -1,0 +1,302 @@
+//! The parallel-aware layers: [`ParallelLinear`] and [`ParallelEmbedding`] compute exactly what
+//! Burn's `Linear` and `Embedding` compute until a plan splits them ([`super::apply_plan`]);
+//! then each rank holds a slice of the weight, and the autodiff-aware collectives of
+//! `wildfire_backend::collective` join the slices going forward and backward (Megatron-LM).
+//!
+//! Notation: `Y = XA + b` with `X: [.., n_in]`, `A: [n_in, n_out]` (Burn's `Linear` layout), `p`
+//! ranks. The product runs in `X`'s type: fp32 weights meet bf16 or fp16 activations cast to them
+//! (see [`crate::precision`]).
+//!
+//! - **Column-parallel** (`A = [A_1 … A_p]` by output columns): rank `r` computes
+//!   `Y_r = X A_r + b_r`. The input goes through `f` (identity forward; the gradient
+//!   `∂L/∂X = Σ_r ∂L_r/∂X` is all-reduced backward); the output stays split (`[.., n_out/p]`,
+//!   for a following row-parallel layer) or is gathered (`Y = [Y_1 … Y_p]`; backward keeps part
+//!   `r` of the gradient). Every output element is the serial layer's dot product, so forward
+//!   and gradients are exactly the serial ones.
+//! - **Row-parallel** (`A = [A_1; …; A_p]` by input rows, `X = [X_1 … X_p]` alike): rank `r`
+//!   computes `X_r A_r`, and `Y = Σ_r X_r A_r + b` is all-reduced (`g`: all-reduce forward,
+//!   identity backward, since every rank then holds the same `∂L/∂Y`). The bias is added once,
+//!   after the sum. The sum's order differs from the serial dot product's, so outputs agree
+//!   with the serial layer within rounding (`~ n_in · ε · |x||a|`), not bitwise.
+//! - **Vocabulary-parallel embedding** (`E: [V, d]` by rows): rank `r` holds rows
+//!   `[s_r, e_r)`, looks up the ids in its range (others give zero rows) and the lookups are
+//!   all-reduced (`g`). Exactly one rank contributes each row, so the sum is exact.
+//!
+//! **Sequence parallelism** (Megatron-LM's SP): between a row-parallel layer and the next
+//! column-parallel one (norms, dropout, residual adds) each rank holds part `r` of the
+//! activation along the plan's sequence dimension instead of the whole. A column-parallel layer
+//! then all-gathers its input along it (backward: reduce-scatter of the gradient) instead of
+//! `f`, and a row-parallel layer reduce-scatters its output (backward: all-gather) instead of
+//! `g`'s all-reduce. The communicated volume is the same (an all-reduce is a reduce-scatter and
+//! an all-gather); the activations between the layers shrink `p`-fold.
+//!
+//! With ranks as threads, each rank must pass tensors of its own (e.g. drawn by it, or made from
+//! data): clones of one autodiff tensor share its graph node, and ranks whose graphs share a
+//! node share one graph lock, which deadlocks their backward collectives.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, Linear};
+use burn::tensor::backend::Backend;
+use burn::tensor::module::linear;
+use burn::tensor::{FloatDType, Int, Tensor};
+use wildfire_backend::collective::{
+    self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
+    gather_from_parallel_region, reduce_from_parallel_region, reduce_scatter_to_sequence_region,
+};
+use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
+
+use super::plan::{TpPlan, TpStyle, section_parts};
+use super::slot::{Applied, Layer, TensorParallel};
+use crate::precision::in_dtype;
+
+/// A linear layer `Y = XA + b` (`weight: [n_in, n_out]`, as Burn's `Linear`) that a
+/// tensor-parallel plan may split by columns or rows (see the module doc). Unsplit, it is
+/// Burn's `Linear`; build it from one (`ParallelLinear::from(linear)`).
+#[derive(Module, Debug)]
+pub struct ParallelLinear<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    /// How the plan split it (nothing until [`super::apply_plan`]).
+    pub tp: TensorParallel<B>,
+}
+
+impl<B: Backend> From<Linear<B>> for ParallelLinear<B> {
+    fn from(linear: Linear<B>) -> Self {
+        Self {
+            weight: linear.weight,
+            bias: linear.bias,
+            tp: TensorParallel::for_layer(Layer::Linear),
+        }
+    }
+}
+
+/// A collective inside a layer's forward. The forward has no error path (Burn's modules return
+/// tensors), so a failed collective (a peer that died) ends this rank with its cause.
+pub(crate) fn collective<T>(result: Result<T, CommError>) -> T {
+    result.unwrap_or_else(|error| panic!("tensor-parallel collective failed: {error}"))
+}
+
+/// `y + b` in `y`'s type (the bias cast to it); `y` without a bias.
+fn add_bias<B: Backend, const D: usize>(
+    y: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    match bias {
+        Some(bias) => {
+            let dtype = FloatDType::from(y.dtype());
+            y + in_dtype(bias, dtype).unsqueeze()
+        }
+        None => y,
+    }
+}
+
+impl<B: Backend> ParallelLinear<B> {
+    /// This rank's part of the layer with the whole `weight: [n_in, n_out]` and `bias`, split
+    /// over `group` as `style` says (column or row; the activations between tensor-parallel
+    /// regions split along `sequence_dim` under sequence parallelism): what [`super::apply_plan`]
+    /// makes of a layer its plan names, for a layer built on its own. Sizes need not divide
+    /// (rank `r` holds part `r` of `split_ranges`).
+    pub fn split_from(
+        weight: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        style: TpStyle,
+        group: &ProcessGroup,
+        sequence_dim: Option<usize>,
+    ) -> Self {
+        let plan = TpPlan::new(&[("layer", style)], group.rank(), group.size());
+        Self {
+            weight: Param::from_tensor(plan.local_part("layer.weight", weight)),
+            bias: bias.map(|b| Param::from_tensor(plan.local_part("layer.bias", b))),
+            tp: TensorParallel::for_layer(Layer::Linear).with_applied(Applied {
+                group: group.clone(),
+                style: Some(style),
+                part: None,
+                sequence_dim,
+            }),
+        }
+    }
+}
+
+impl<B: CollectiveBackend> ParallelLinear<B> {
+    /// `XA + b` (this rank's part of it where the plan splits the layer).
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.tp.style().is_none() {
+            let dtype = FloatDType::from(x.dtype());
+            let bias = self.bias.as_ref().map(|b| in_dtype(b.val(), dtype));
+            return linear(x, in_dtype(self.weight.val(), dtype), bias);
+        }
+        self.forward_with(x, add_bias)
+    }
+
+    /// [`forward`](Self::forward) with `epilogue(XA, b)` in place of the bias add, for an
+    /// elementwise op fused with it (a bias + GELU): `XA` in `X`'s type (under a row split, the
+    /// sum over ranks; under a column split, this rank's columns), `b` the fp32 bias (part) as
+    /// it is.
+    pub fn forward_with<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        epilogue: impl FnOnce(Tensor<B, D>, Option<Tensor<B, 1>>) -> Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        let bias = self.bias.as_ref().map(Param::val);
+        let (Some(group), Some(style)) = (self.tp.group(), self.tp.style()) else {
+            return epilogue(self.product(x), bias);
+        };
+        let sequence_dim = self.tp.sequence_dim();
+        let gather_output = match style {
+            TpStyle::Row => {
+                let partial = self.product(x);
+                let y = match sequence_dim {
+                    Some(dim) => reduce_scatter_to_sequence_region(partial, group, dim),
+                    None => reduce_from_parallel_region(partial, group),
+                };
+                return epilogue(collective(y), bias);
+            }
+            TpStyle::Column { gather_output, .. } => gather_output,
+            TpStyle::VocabColumns => false,
+            _ => return epilogue(self.product(x), bias),
+        };
+        let x = match sequence_dim {
+            Some(dim) => all_gather_from_sequence_region(x, group, dim),
+            None => copy_to_parallel_region(x, group),
+        };
+        let y = epilogue(self.product(collective(x)), bias);
+        match gather_output {
+            true => collective(gather_from_parallel_region(y, group, D - 1)),
+            false => y,
+        }
+    }
+
+    /// `XA` (this rank's weight) in `X`'s type.
+    fn product<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = FloatDType::from(x.dtype());
+        linear(x, in_dtype(self.weight.val(), dtype), None)
+    }
+}
+
+/// An embedding table `E: [V, d]` that a tensor-parallel plan may split by vocabulary rows (see
+/// the module doc). Unsplit, it is Burn's `Embedding`; build it from one.
+#[derive(Module, Debug)]
+pub struct ParallelEmbedding<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    /// How the plan split it (nothing until [`super::apply_plan`]).
+    pub tp: TensorParallel<B>,
+}
+
+impl<B: Backend> From<Embedding<B>> for ParallelEmbedding<B> {
+    fn from(embedding: Embedding<B>) -> Self {
+        Self {
+            weight: embedding.weight,
+            tp: TensorParallel::for_layer(Layer::Embedding),
+        }
+    }
+}
+
+impl<B: Backend> ParallelEmbedding<B> {
+    /// This rank's rows of the whole table `weight: [V, d]` split over `group`: what
+    /// [`super::apply_plan`] makes of a table its plan splits by vocabulary rows, for a table
+    /// built on its own.
+    pub fn split_from(weight: Tensor<B, 2>, group: &ProcessGroup) -> Self {
+        let plan = TpPlan::new(&[("table", TpStyle::VocabRows)], group.rank(), group.size());
+        let rows = split_ranges(weight.dims()[0], group.size())[group.rank()].clone();
+        Self {
+            weight: Param::from_tensor(plan.local_part("table.weight", weight)),
+            tp: TensorParallel::for_layer(Layer::Embedding).with_applied(Applied {
+                group: group.clone(),
+                style: Some(TpStyle::VocabRows),
+                part: Some(rows),
+                sequence_dim: None,
+            }),
+        }
+    }
+}
+
+impl<B: CollectiveBackend> ParallelEmbedding<B> {
+    /// Rows of `ids: [batch, seq]` → `[batch, seq, d]`, whole on every rank.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let (Some(group), Some(TpStyle::VocabRows)) = (self.tp.group(), self.tp.style()) else {
+            return burn::tensor::module::embedding(self.weight.val(), ids);
+        };
+        let rows = self.weight.val().dims()[0];
+        let (local, inside) = local_ids(ids, self.vocab_start(), rows);
+        let rows = burn::tensor::module::embedding(self.weight.val(), local);
+        let masked = rows * inside.unsqueeze_dim::<3>(2);
+        collective(reduce_from_parallel_region(masked, group))
+    }
+
+    /// The first vocabulary row this rank holds (0 unsplit).
+    pub fn vocab_start(&self) -> usize {
+        self.tp.part().map_or(0, |part| part.start)
+    }
+}
+
+/// A copy of `t` with its own storage and no graph: a parameter made from a slice of the whole
+/// weight must be a leaf (on an autodiff backend a slice is not), and must not keep the whole
+/// weight's storage alive (a slice can be a view of it).
+pub(crate) fn owned<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let device = t.device();
+    Tensor::from_data(t.into_data(), &device)
+}
+
+/// What rank `rank` of `size` holds of `full` along `dim` cut into `sections` equal sections
+/// (see [`section_parts`]): its parts, concatenated in order, as an [`owned`] copy.
+pub(crate) fn rank_part<B: Backend, const D: usize>(
+    full: Tensor<B, D>,
+    dim: usize,
+    sections: usize,
+    (rank, size): (usize, usize),
+) -> Tensor<B, D> {
+    let parts = section_parts(full.dims()[dim], sections, rank, size)
+        .into_iter()
+        .map(|range| full.clone().narrow(dim, range.start, range.len()))
+        .collect();
+    owned(Tensor::cat(parts, dim))
+}
+
+/// Ids shifted into a part `[start, start + len)` (others clamped to a valid row) and the float
+/// mask of those inside it.
+fn local_ids<B: Backend, const D: usize>(
+    ids: Tensor<B, D, Int>,
+    start: usize,
+    len: usize,
+) -> (Tensor<B, D, Int>, Tensor<B, D>) {
+    let (start, end) = (start as i64, (start + len) as i64);
+    let inside = ids
+        .clone()
+        .greater_equal_elem(start)
+        .bool_and(ids.clone().lower_elem(end));
+    let local = ids.sub_scalar(start).clamp(0, (len as i64 - 1).max(0));
+    (local, inside.float())
+}
+
+/// Cross-entropy summed over tokens from vocabulary-parallel logits `logits_r: [batch, seq,
+/// V_r]` (rank `r`'s columns `[vocab_start, vocab_start + V_r)` of the full logits), without
+/// gathering the full logits:
+///
+/// ```text
+/// m      = max_q max_j l_qj                    all-reduce (max), no gradient (ℓ is shift-invariant)
+/// S      = Σ_q Σ_j exp(l_qj − m)               g: all-reduce forward, identity backward
+/// l_t    = Σ_q [t ∈ part q] (l_qt − m)          g
+/// ℓ      = log S − l_t
+/// ```
+///
+/// Every rank computes the same `ℓ`, and each backpropagates its own copy: through `g` rank `r`
+/// gets `∂ℓ/∂l_rj = exp(l_rj − m)/S − [j = t]`, the softmax-minus-one-hot of its own columns,
+/// which is the serial gradient's part `r`.
+pub fn vocab_parallel_cross_entropy<B: CollectiveBackend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    vocab_start: usize,
+    group: &ProcessGroup,
+) -> Result<Tensor<B, 1>, CommError> {
+    let [batch, seq, part_vocab] = logits.dims();
+    let logits = logits.reshape([batch * seq, part_vocab]);
+    let targets = targets.reshape([batch * seq]);
+    let local_max = logits.clone().detach().max_dim(1);
+    let max = collective::all_reduce(local_max, group, ReduceOp::Max)?;
+    let shifted = logits - max;
+    let sum_exp = reduce_from_parallel_region(shifted.clone().exp().sum_dim(1), group)?;
+    let (local, inside) = local_ids(targets, vocab_start, part_vocab);
+    let picked = shifted.gather(1, local.unsqueeze_dim(1)) * inside.unsqueeze_dim(1);
+    let target = reduce_from_parallel_region(picked, group)?;
+    Ok((sum_exp.log() - target).sum())
+}
