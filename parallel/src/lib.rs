@@ -8,8 +8,10 @@
 //! pipeline parallelism ([`pp`]: partition, schedules as checked data, executor), tensor and
 //! sequence parallelism ([`tp`]: the parallel-aware layers and the plan that splits any module that
 //! uses them), module paths ([`paths`]), gradients summed over a group ([`grad_sum`]), and
-//! mixed precision ([`precision`]: fp16 loss scaling).
+//! mixed precision ([`precision`]: fp16 loss scaling), and sharded checkpoints ([`checkpoint`]:
+//! the store and the geometry that reshards them).
 
+pub mod checkpoint;
 pub mod clip;
 pub mod dp;
 pub mod fsdp;

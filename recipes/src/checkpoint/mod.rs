@@ -19,8 +19,9 @@
 
 mod crash;
 mod distributed;
-pub mod store;
 mod writer;
+
+pub use wildfire_parallel::checkpoint::store;
 
 pub use crash::{CRASH_ENV, CrashPoint, crash_point};
 pub use writer::BackgroundWriter;
@@ -33,7 +34,7 @@ use burn::module::Param;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::precision::DynamicLossScaler;
 
@@ -47,6 +48,7 @@ use crate::optim::{GptOptimizer, MatrixDecayAdamW};
 use crate::train::Optimizers;
 use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
+use wildfire_parallel::checkpoint::slices::{join_slices, part_slices};
 use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
 use wildfire_parallel::tp::TpPlan;
 
@@ -90,52 +92,6 @@ pub struct TrainState {
     /// fp16's loss scaler after `step` steps (fp16 runs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scaler: Option<DynamicLossScaler>,
-}
-
-fn to_slice(name: String, data: TensorData) -> anyhow::Result<TensorSlice> {
-    let dtype = match data.dtype {
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        DType::I64 => Dtype::I64,
-        DType::I32 => Dtype::I32,
-        other => bail!("tensor {name} has dtype {other:?}, which checkpoints do not store"),
-    };
-    Ok(TensorSlice::whole(
-        name,
-        dtype,
-        data.shape.to_vec(),
-        data.as_bytes().to_vec(),
-    ))
-}
-
-fn to_data(slice: TensorSlice) -> anyhow::Result<(String, TensorData)> {
-    if slice.shape != slice.global_shape {
-        bail!(
-            "tensor {} holds a slice {:?} at {:?} of {:?}; this run needs whole tensors",
-            slice.name,
-            slice.shape,
-            slice.offset,
-            slice.global_shape
-        );
-    }
-    let dtype = match slice.dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::F64 => DType::F64,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        Dtype::I64 => DType::I64,
-        Dtype::I32 => DType::I32,
-        other => bail!(
-            "tensor {} has dtype {other:?}, which no parameter uses",
-            slice.name
-        ),
-    };
-    Ok((
-        slice.name,
-        TensorData::from_bytes_vec(slice.bytes, slice.shape, dtype),
-    ))
 }
 
 /// `data` in `shape`: itself, or a flattened tensor of as many elements (a sharded checkpoint's).
@@ -209,7 +165,13 @@ impl ModelLayout {
         stored: String,
         data: TensorData,
     ) -> anyhow::Result<Vec<TensorSlice>> {
-        part_slices(&self.plan, name, self.shape(name)?, stored, data)
+        Ok(part_slices(
+            &self.plan,
+            name,
+            self.shape(name)?,
+            stored,
+            data,
+        )?)
     }
 
     /// The name under which this rank stores the flattened pieces of parameter `name` (and of
@@ -236,49 +198,6 @@ fn parse_tp_part(name: &str) -> Option<(&str, usize, usize)> {
     let (base, part) = name.rsplit_once(TP_PART)?;
     let (rank, size) = part.split_once("of")?;
     Some((base, rank.parse().ok()?, size.parse().ok()?))
-}
-
-/// Rank `plan.rank`'s part `data` of parameter `name` (global shape `global`) as the slices
-/// stored under `stored` (the parameter's name, or one of its moments'): each box of the global
-/// tensor it holds (one, or one per section of a fused projection), cut from `data` in order
-/// along the split dimension.
-fn part_slices(
-    plan: &TpPlan,
-    name: &str,
-    global: &[usize],
-    stored: String,
-    data: TensorData,
-) -> anyhow::Result<Vec<TensorSlice>> {
-    let Some(dim) = plan.split_dim(name, global.len()) else {
-        return Ok(vec![to_slice(stored, data)?]);
-    };
-    let boxes = plan.boxes(name, global);
-    let whole = to_slice(stored, data)?;
-    let elem = whole.dtype.size();
-    let mut local_offset = vec![0; global.len()];
-    let mut slices = Vec::with_capacity(boxes.len());
-    for part in boxes {
-        let bytes = store::cut_box(&whole.bytes, elem, &whole.shape, &local_offset, &part.shape);
-        local_offset[dim] += part.shape[dim];
-        slices.push(TensorSlice {
-            name: whole.name.clone(),
-            dtype: whole.dtype,
-            global_shape: global.to_vec(),
-            offset: part.offset,
-            shape: part.shape,
-            bytes,
-        });
-    }
-    if local_offset[dim] != whole.shape[dim] {
-        bail!(
-            "parameter {name} holds {} entries along dimension {dim}, but the plan gives rank {} \
-             {} of the global {global:?}",
-            whole.shape[dim],
-            plan.rank,
-            local_offset[dim]
-        );
-    }
-    Ok(slices)
 }
 
 /// Joins the tensor-parallel parts among `moments` (named `…@tp{r}of{s}`, each already in its
@@ -510,65 +429,6 @@ fn piece_slices(name: &str, piece: &Piece) -> Vec<TensorSlice> {
             })
         })
         .collect()
-}
-
-/// The tensors of a checkpoint by name, each joined from its slices: a whole tensor, or boxes of
-/// it (tensor-parallel parts, or pieces of a flattened tensor under ZeRO) that must cover it
-/// exactly once.
-fn join_slices(slices: Vec<TensorSlice>) -> anyhow::Result<BTreeMap<String, TensorData>> {
-    let mut by_name: BTreeMap<String, Vec<TensorSlice>> = BTreeMap::new();
-    for slice in slices {
-        by_name.entry(slice.name.clone()).or_default().push(slice);
-    }
-    let mut tensors = BTreeMap::new();
-    for (name, mut boxes) in by_name {
-        if boxes.len() == 1 && boxes[0].shape == boxes[0].global_shape {
-            let (name, data) = to_data(boxes.remove(0))?;
-            tensors.insert(name, data);
-            continue;
-        }
-        let (global, dtype) = (boxes[0].global_shape.clone(), boxes[0].dtype);
-        let numel: usize = global.iter().product();
-        let elem = dtype.size();
-        let mut bytes = vec![0; numel * elem];
-        // How many boxes cover each element (one byte per element: a box of this tensor's
-        // one-byte "dtype").
-        let mut cover = vec![0u8; numel];
-        for part in &boxes {
-            if part.global_shape != global || part.dtype != dtype {
-                bail!(
-                    "tensor {name}: its slices disagree on the whole tensor ({:?} {:?} and {:?} \
-                     {global:?})",
-                    part.dtype,
-                    part.global_shape,
-                    dtype
-                );
-            }
-            store::paste_box(
-                &mut bytes,
-                elem,
-                &global,
-                &part.offset,
-                &part.shape,
-                &part.bytes,
-            );
-            let seen = store::cut_box(&cover, 1, &global, &part.offset, &part.shape);
-            let once: Vec<u8> = seen.iter().map(|c| c.saturating_add(1)).collect();
-            store::paste_box(&mut cover, 1, &global, &part.offset, &part.shape, &once);
-        }
-        let covered = cover.iter().filter(|&&c| c == 1).count();
-        if covered != numel {
-            let twice = cover.iter().filter(|&&c| c > 1).count();
-            bail!(
-                "tensor {name}: its {} slices do not tile its shape {global:?}: {covered} of \
-                 {numel} elements are covered once, {twice} more than once",
-                boxes.len()
-            );
-        }
-        let (_, data) = to_data(TensorSlice::whole(name.clone(), dtype, global, bytes))?;
-        tensors.insert(name, data);
-    }
-    Ok(tensors)
 }
 
 /// The union of every rank's `map` (by parameter name).

@@ -1,0 +1,146 @@
+//! Any module's tensor-parallel checkpoint resharded on load: a model of wildfire's parallel
+//! layers (a vocabulary-parallel embedding of 11 rows, which no degree here divides, a
+//! column-parallel layer in 3 sections, a row-parallel one, a replicated Burn `Linear`) split at
+//! tp 2, each rank's slices saved through the store and joined again; loaded at tp 1 it is the
+//! whole model, at tp 2 and 4 each rank's part is the part the plan cuts from the whole model,
+//! all bitwise. A checkpoint missing a parameter, or one whose tensors do not fit the model, is
+//! refused naming the parameter.
+
+use std::collections::BTreeMap;
+
+use burn::backend::Flex;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use wildfire_backend::comm::{CommOptions, ProcessGroup};
+use wildfire_parallel::checkpoint::module::ModuleLayout;
+use wildfire_parallel::checkpoint::slices::join_slices;
+use wildfire_parallel::checkpoint::store::{self, CheckpointError};
+use wildfire_parallel::tp::{ParallelEmbedding, ParallelLinear, TpPlan, TpStyle, apply_plan};
+
+type B = Flex;
+
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    embedding: ParallelEmbedding<B>,
+    qkv: ParallelLinear<B>,
+    out: ParallelLinear<B>,
+    head: Linear<B>,
+}
+
+const PLAN: &[(&str, TpStyle)] = &[
+    ("embedding", TpStyle::VocabRows),
+    (
+        "qkv",
+        TpStyle::Column {
+            sections: 3,
+            gather_output: false,
+        },
+    ),
+    ("out", TpStyle::Row),
+];
+
+/// Tests run in parallel and share the backend's RNG: one draws at a time.
+static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The whole model, drawn from `seed` (every parameter now: Burn draws on first use).
+fn net(seed: u64) -> Net<B> {
+    let device = Default::default();
+    let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
+    B::seed(&device, seed);
+    let net = Net {
+        embedding: EmbeddingConfig::new(11, 8).init(&device).into(),
+        qkv: LinearConfig::new(8, 24).init(&device).into(),
+        out: LinearConfig::new(8, 8).init(&device).into(),
+        head: LinearConfig::new(8, 3).init(&device),
+    };
+    values(&net);
+    net
+}
+
+/// Every parameter's path → values.
+fn values<M: Module<B>>(module: &M) -> BTreeMap<String, Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl ModuleVisitor<B> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.val().into_data().to_vec().unwrap());
+        }
+    }
+    let mut collect = Values(Vec::new());
+    module.visit(&mut collect);
+    let paths = wildfire_parallel::paths::param_shapes(module);
+    paths.into_iter().map(|(p, _)| p).zip(collect.0).collect()
+}
+
+fn ranks(n: usize) -> Vec<ProcessGroup> {
+    ProcessGroup::local_world(n, CommOptions::default()).unwrap()
+}
+
+/// `net(seed)` split for rank `group`, with its layout.
+fn split(seed: u64, group: &ProcessGroup) -> (Net<B>, ModuleLayout) {
+    let plan = TpPlan::new(PLAN, group.rank(), group.size());
+    let whole = net(seed);
+    let layout = ModuleLayout::of(&whole, plan.clone());
+    (apply_plan(whole, &plan, group).unwrap(), layout)
+}
+
+/// The whole tensors of a tp 2 checkpoint of `net(1)`, written and read through the store.
+fn saved_at_tp_2(dir: &std::path::Path) -> BTreeMap<String, TensorData> {
+    let staging = store::create_staging(dir, 1).unwrap();
+    let entries = (ranks(2).iter())
+        .map(|group| {
+            let (model, layout) = split(1, group);
+            let slices = layout.slices(&model).unwrap();
+            store::write_shard(&staging, group.rank(), &slices).unwrap()
+        })
+        .collect();
+    store::commit(dir, &staging, 1, 2, entries, serde_json::Value::Null).unwrap();
+    let (_, slices) =
+        store::read_checkpoint(&store::latest_checkpoint(dir).unwrap().unwrap()).unwrap();
+    join_slices(slices).unwrap()
+}
+
+#[test]
+fn a_tp_2_checkpoint_loads_at_tp_1_2_and_4() {
+    let dir = std::env::temp_dir().join(format!("wildfire-module-ckpt-{}", std::process::id()));
+    let tensors = saved_at_tp_2(&dir);
+    let whole = values(&net(1));
+    for tp in [1, 2, 4] {
+        for group in ranks(tp) {
+            // Drawn from another seed: every value must come from the checkpoint.
+            let (model, layout) = split(2, &group);
+            let loaded = values(&layout.load(model, &tensors).unwrap());
+            let plan = TpPlan::new(PLAN, group.rank(), group.size());
+            let expected = values(&apply_plan(net(1), &plan, &group).unwrap());
+            assert_eq!(loaded, expected, "tp {tp}, rank {}", group.rank());
+            if tp == 1 {
+                assert_eq!(loaded, whole, "tp 1 is the whole model");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_that_does_not_fit_is_refused_naming_the_parameter() {
+    let dir = std::env::temp_dir().join(format!("wildfire-module-bad-{}", std::process::id()));
+    let mut tensors = saved_at_tp_2(&dir);
+    let group = ranks(1).remove(0);
+    let (model, layout) = split(2, &group);
+    let mut missing = tensors.clone();
+    missing.remove("out.bias");
+    let error = layout.load(model.clone(), &missing).unwrap_err();
+    assert!(
+        matches!(&error, CheckpointError::InvalidSlice { name, .. } if name == "out.bias"),
+        "{error}"
+    );
+    let wrong = TensorData::new(vec![0f32; 8 * 12], [8, 12]);
+    tensors.insert("qkv.weight".into(), wrong);
+    let error = layout.load(model, &tensors).unwrap_err().to_string();
+    assert!(
+        error.contains("qkv.weight") && error.contains("[8, 24]"),
+        "{error}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
