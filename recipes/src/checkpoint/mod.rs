@@ -126,7 +126,7 @@ pub struct ModelLayout {
 }
 
 impl ModelLayout {
-    /// The layout of `whole`, the model before [`Gpt::shard`] splits it as `plan` says.
+    /// The layout of `whole`, the model before `tp::apply_plan` splits it as `plan` says.
     pub fn new<B: Backend>(whole: &Gpt<B>, plan: TpPlan) -> Self {
         struct Shapes(BTreeMap<String, Vec<usize>>);
         impl<B: Backend> ParamFn<B> for Shapes {
