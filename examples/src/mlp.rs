@@ -173,12 +173,15 @@ impl<B: Backend> Mlp<B> {
         parameters(self)
     }
 
-    /// The same model with every parameter drawn now, in registration order (Burn draws a
-    /// parameter on its first use): then it depends on the backend's seed alone, not on which
-    /// parts a plan splits or a pipeline stage uses first.
-    pub fn drawn(self) -> Self {
-        parameters(&self);
-        self
+    /// The model drawn from `seed`, every parameter now, in registration order (Burn draws a
+    /// parameter on its first use): it depends on the seed alone, not on which parts a plan
+    /// splits or a pipeline stage uses first. Ranks that are threads of one process share
+    /// Burn's RNG and autodiff registry: they call this under `pp::graphs_lock`.
+    pub fn drawn(device: &B::Device, shape: Shape, seed: u64, log: StepLog) -> Self {
+        B::seed(device, seed);
+        let model = Self::new(device, shape, log);
+        parameters(&model);
+        model
     }
 }
 
@@ -378,12 +381,9 @@ where
     let device = B::Device::default();
     let model = {
         // Ranks that are threads of one process share Burn's RNG: each seeds and draws its
-        // model (reading the parameters draws them) while no other rank does.
+        // model while no other rank does.
         let _lock = graphs_lock();
-        B::seed(&device, run.seed);
-        let model = Mlp::<B>::new(&device, run.shape, run.log.clone());
-        model.parameters();
-        model
+        Mlp::<B>::drawn(&device, run.shape, run.seed, run.log.clone())
     };
     let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01))?;
 

@@ -18,10 +18,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::collective::CollectiveBackend;
 use wildfire_backend::comm::ProcessGroup;
 use wildfire_parallel::fsdp::ShardedUnit;
-use wildfire_parallel::pp::{
-    CheckError, PipelineChunk, PipelineError, Schedule, ScheduleError, ScheduleKind, check,
-    graphs_lock, run_step,
-};
+use wildfire_parallel::pp::{PipelineChunk, Schedule, ScheduleKind, check, graphs_lock, run_step};
 
 use crate::mlp::{Block, LoopRun, Mlp, Points};
 
@@ -98,17 +95,6 @@ impl<B: AutodiffBackend + CollectiveBackend> PipelineChunk<B> for MlpStage<B> {
     }
 }
 
-/// Why a pipeline run stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum PipelineRunError {
-    #[error(transparent)]
-    Schedule(#[from] ScheduleError),
-    #[error(transparent)]
-    Check(#[from] CheckError),
-    #[error(transparent)]
-    Step(#[from] PipelineError),
-}
-
 /// Batch `step` of `run` cut into `m` micro-batches, each mean loss scaled by `1/m`.
 pub fn micro_batches<B: AutodiffBackend>(
     run: &LoopRun,
@@ -138,7 +124,7 @@ pub fn train<B>(
     kind: ScheduleKind,
     m: usize,
     group: &ProcessGroup,
-) -> Result<(MlpStage<B>, Vec<f64>), PipelineRunError>
+) -> anyhow::Result<(MlpStage<B>, Vec<f64>)>
 where
     B: AutodiffBackend + CollectiveBackend,
     MlpStage<B>: AutodiffModule<B>,
@@ -149,8 +135,7 @@ where
     let mut stage = {
         // Ranks that are threads of one process share Burn's RNG and autodiff registry.
         let _lock = graphs_lock();
-        B::seed(&device, run.seed);
-        let model = Mlp::<B>::new(&device, run.shape, Default::default()).drawn();
+        let model = Mlp::<B>::drawn(&device, run.shape, run.seed, Default::default());
         stages(model, cuts).swap_remove(group.rank())
     };
     let mut optimizer = AdamWConfig::new().init();

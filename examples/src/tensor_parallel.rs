@@ -34,15 +34,6 @@ pub const TP_PLAN: &[(&str, TpStyle)] = &[
 /// The dimension sequence parallelism splits: the points of a batch `[points, width]`.
 pub const SEQUENCE_DIM: usize = 0;
 
-/// Why a tensor-parallel run stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum TpRunError {
-    #[error(transparent)]
-    Plan(#[from] PlanError),
-    #[error(transparent)]
-    Gradients(#[from] GradSumError),
-}
-
 /// This rank's plan over `group`, with or without sequence parallelism.
 pub fn plan(group: &ProcessGroup, sequence_parallel: bool) -> TpPlan {
     let sequence_dim = sequence_parallel.then_some(SEQUENCE_DIM);
@@ -62,8 +53,7 @@ where
     let device = B::Device::default();
     // Ranks that are threads of one process share Burn's RNG and autodiff registry.
     let _lock = graphs_lock();
-    B::seed(&device, run.seed);
-    let model = Mlp::<B>::new(&device, run.shape, StepLog::default()).drawn();
+    let model = Mlp::<B>::drawn(&device, run.shape, run.seed, StepLog::default());
     apply_plan(model, &plan(group, sequence_parallel), group)
 }
 
@@ -102,7 +92,7 @@ pub fn train<B>(
     run: &LoopRun,
     sequence_parallel: bool,
     group: &ProcessGroup,
-) -> Result<(Mlp<B>, Vec<f32>), TpRunError>
+) -> anyhow::Result<(Mlp<B>, Vec<f32>)>
 where
     B: AutodiffBackend + CollectiveBackend,
     Mlp<B>: AutodiffModule<B>,

@@ -11,6 +11,9 @@ use burn::tensor::backend::Backend;
 #[derive(Debug, Default, Clone)]
 pub struct PathStack {
     parts: Vec<String>,
+    /// A top-level list whose entries are named from an index other than 0 (see
+    /// [`PathStack::numbered_from`]).
+    numbering: Option<(String, usize)>,
 }
 
 /// Burn enters an enum module's variant like a field (`c_attn.Column.weight`); a path leaves the
@@ -20,10 +23,29 @@ fn is_variant(container: &str) -> bool {
 }
 
 impl PathStack {
-    pub fn enter(&mut self, name: &str, container: &str) {
-        if !is_variant(container) {
-            self.parts.push(name.to_string());
+    /// Paths of a part of a model whose top-level list `field` holds the whole model's entries
+    /// from index `first` on (a pipeline stage's blocks): each entry is named by its index in
+    /// the whole model (`blocks.5` for a stage's second block when `first` is 4).
+    pub fn numbered_from(field: &str, first: usize) -> Self {
+        Self {
+            parts: Vec::new(),
+            numbering: Some((field.to_string(), first)),
         }
+    }
+
+    pub fn enter(&mut self, name: &str, container: &str) {
+        if is_variant(container) {
+            return;
+        }
+        let name = match (
+            &self.numbering,
+            self.parts.as_slice(),
+            name.parse::<usize>(),
+        ) {
+            (Some((field, first)), [top], Ok(local)) if top == field => (local + first).to_string(),
+            _ => name.to_string(),
+        };
+        self.parts.push(name);
     }
 
     pub fn exit(&mut self, container: &str) {
@@ -43,30 +65,51 @@ impl PathStack {
     }
 }
 
+/// Something done to every float parameter, with its path.
+pub trait ParamFn<B: Backend> {
+    fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>);
+}
+
+/// Burn reports the field holding a parameter (`weight`) as the last `enter_module`, so the
+/// parameter's path is the current path itself.
+struct Visit<'a, F> {
+    path: PathStack,
+    f: &'a mut F,
+}
+
+impl<B: Backend, F: ParamFn<B>> ModuleVisitor<B> for Visit<'_, F> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.path.exit(container);
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.f.visit(&self.path.current(), param);
+    }
+}
+
+/// Calls `f` on every float parameter of `module` with its path (named as `path` names them:
+/// `PathStack::default()`, or [`PathStack::numbered_from`]), in module order.
+pub fn for_each_param<B: Backend, M: Module<B>, F: ParamFn<B>>(
+    module: &M,
+    path: PathStack,
+    f: &mut F,
+) {
+    module.visit(&mut Visit { path, f });
+}
+
 /// Every float parameter of `module` as `(path, shape)`, in module order.
 pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
-    struct Shapes {
-        path: PathStack,
-        found: Vec<(String, Vec<usize>)>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Shapes {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.path.enter(name, container);
-        }
-        fn exit_module(&mut self, _: &str, container: &str) {
-            self.path.exit(container);
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let shape = param.lazy_shape().to_vec();
-            self.found.push((self.path.current(), shape));
+    struct Shapes(Vec<(String, Vec<usize>)>);
+    impl<B: Backend> ParamFn<B> for Shapes {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            self.0.push((path.to_string(), param.lazy_shape().to_vec()));
         }
     }
-    let mut shapes = Shapes {
-        path: PathStack::default(),
-        found: Vec::new(),
-    };
-    module.visit(&mut shapes);
-    shapes.found
+    let mut shapes = Shapes(Vec::new());
+    for_each_param(module, PathStack::default(), &mut shapes);
+    shapes.0
 }
 
 #[cfg(test)]

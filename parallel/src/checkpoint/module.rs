@@ -6,13 +6,13 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::slices::part_slices;
-use super::store::{CheckpointError, TensorSlice};
-use crate::paths::{PathStack, param_shapes};
+use super::store::{CheckpointError, TensorSlice, invalid_slice};
+use crate::paths::{ParamFn, PathStack, for_each_param, param_shapes};
 use crate::tp::TpPlan;
 
 /// Where this rank's parameters sit in the whole module: the plan that splits it on this rank
@@ -21,13 +21,6 @@ use crate::tp::TpPlan;
 pub struct ModuleLayout {
     pub plan: TpPlan,
     pub shapes: BTreeMap<String, Vec<usize>>,
-}
-
-fn invalid(name: &str, reason: String) -> CheckpointError {
-    CheckpointError::InvalidSlice {
-        name: name.to_string(),
-        reason,
-    }
 }
 
 impl ModuleLayout {
@@ -39,53 +32,63 @@ impl ModuleLayout {
         }
     }
 
-    /// This rank's slices of `module` (split by the plan): its part of every split parameter,
-    /// and every whole one on the first tensor-parallel rank only (the others hold copies).
+    /// The whole shape of parameter `path`.
+    pub fn shape(&self, path: &str) -> Result<&[usize], CheckpointError> {
+        let reason = || "is not in the module's layout".to_string();
+        (self.shapes.get(path).map(Vec::as_slice)).ok_or_else(|| invalid_slice(path, reason()))
+    }
+
+    /// Whether this rank stores parameter `path` (and its optimizer state): its part of a split
+    /// one; a whole one only on the first tensor-parallel rank (the others hold copies).
+    pub fn stores(&self, path: &str) -> Result<bool, CheckpointError> {
+        let dims = self.shape(path)?.len();
+        Ok(self.plan.rank == 0 || self.plan.is_split(path, dims))
+    }
+
+    /// This rank's part `data` of parameter `path` as the slices stored under `stored` (the
+    /// parameter's path, or a name of its optimizer state): its boxes of the whole tensor.
+    pub fn param_slices(
+        &self,
+        path: &str,
+        stored: String,
+        data: TensorData,
+    ) -> Result<Vec<TensorSlice>, CheckpointError> {
+        part_slices(&self.plan, path, self.shape(path)?, stored, data)
+    }
+
+    /// This rank's slices of `module` (split by the plan): those of every parameter it
+    /// [stores](Self::stores).
     pub fn slices<B: Backend, M: Module<B>>(
         &self,
         module: &M,
     ) -> Result<Vec<TensorSlice>, CheckpointError> {
         struct Collect<'a> {
             layout: &'a ModuleLayout,
-            path: PathStack,
-            slices: Vec<TensorSlice>,
-            error: Option<CheckpointError>,
+            slices: Result<Vec<TensorSlice>, CheckpointError>,
         }
-        impl<B: Backend> ModuleVisitor<B> for Collect<'_> {
-            fn enter_module(&mut self, name: &str, container: &str) {
-                self.path.enter(name, container);
-            }
-            fn exit_module(&mut self, _: &str, container: &str) {
-                self.path.exit(container);
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let (path, plan) = (self.path.current(), &self.layout.plan);
-                if self.error.is_some() || (plan.rank > 0 && !plan.is_split(&path, D)) {
-                    return;
-                }
-                let Some(global) = self.layout.shapes.get(&path) else {
-                    let reason = "is not in the module's layout".to_string();
-                    self.error = Some(invalid(&path, reason));
+        impl<B: Backend> ParamFn<B> for Collect<'_> {
+            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+                let Ok(slices) = &mut self.slices else {
                     return;
                 };
-                let data = param.val().into_data();
-                match part_slices(plan, &path, global, path.clone(), data) {
-                    Ok(slices) => self.slices.extend(slices),
-                    Err(error) => self.error = Some(error),
+                let data = || param.val().into_data();
+                let stored = match self.layout.stores(path) {
+                    Ok(true) => self.layout.param_slices(path, path.to_string(), data()),
+                    Ok(false) => Ok(Vec::new()),
+                    Err(error) => Err(error),
+                };
+                match stored {
+                    Ok(stored) => slices.extend(stored),
+                    Err(error) => self.slices = Err(error),
                 }
             }
         }
         let mut collect = Collect {
             layout: self,
-            path: PathStack::default(),
-            slices: Vec::new(),
-            error: None,
+            slices: Ok(Vec::new()),
         };
-        module.visit(&mut collect);
-        match collect.error {
-            Some(error) => Err(error),
-            None => Ok(collect.slices),
-        }
+        for_each_param(module, PathStack::default(), &mut collect);
+        collect.slices
     }
 
     /// `module` (split by this layout's plan) with every parameter from `tensors` (whole, by
@@ -141,7 +144,7 @@ impl ModuleLayout {
         for (path, shape) in param_shapes(module) {
             let Some(data) = tensors.get(&path) else {
                 let reason = "is missing from the checkpoint".to_string();
-                return Err(invalid(&path, reason));
+                return Err(invalid_slice(&path, reason));
             };
             let part = local_shape(&self.plan, &path, &data.shape);
             if part != shape {
@@ -150,7 +153,7 @@ impl ModuleLayout {
                      parameter is {shape:?}",
                     data.shape
                 );
-                return Err(invalid(&path, reason));
+                return Err(invalid_slice(&path, reason));
             }
         }
         Ok(())

@@ -6,15 +6,8 @@ use std::collections::BTreeMap;
 
 use burn::tensor::{DType, TensorData};
 
-use super::store::{CheckpointError, Dtype, TensorSlice, cut_box, paste_box};
+use super::store::{CheckpointError, Dtype, TensorSlice, cut_box, invalid_slice, paste_box};
 use crate::tp::TpPlan;
-
-fn invalid(name: &str, reason: String) -> CheckpointError {
-    CheckpointError::InvalidSlice {
-        name: name.to_string(),
-        reason,
-    }
-}
 
 /// `data` as a whole-tensor slice named `name`.
 pub fn to_slice(name: String, data: TensorData) -> Result<TensorSlice, CheckpointError> {
@@ -27,7 +20,7 @@ pub fn to_slice(name: String, data: TensorData) -> Result<TensorSlice, Checkpoin
         DType::I32 => Dtype::I32,
         other => {
             let reason = format!("dtype {other:?}, which checkpoints do not store");
-            return Err(invalid(&name, reason));
+            return Err(invalid_slice(&name, reason));
         }
     };
     let shape = data.shape.to_vec();
@@ -46,7 +39,7 @@ pub fn to_data(slice: TensorSlice) -> Result<(String, TensorData), CheckpointErr
             "a slice {:?} at {:?} of {:?} where a whole tensor is needed",
             slice.shape, slice.offset, slice.global_shape
         );
-        return Err(invalid(&slice.name, reason));
+        return Err(invalid_slice(&slice.name, reason));
     }
     let dtype = match slice.dtype {
         Dtype::F32 => DType::F32,
@@ -57,7 +50,7 @@ pub fn to_data(slice: TensorSlice) -> Result<(String, TensorData), CheckpointErr
         Dtype::I32 => DType::I32,
         other => {
             let reason = format!("dtype {other:?}, which no parameter uses");
-            return Err(invalid(&slice.name, reason));
+            return Err(invalid_slice(&slice.name, reason));
         }
     };
     let data = TensorData::from_bytes_vec(slice.bytes, slice.shape, dtype);
@@ -101,7 +94,7 @@ pub fn part_slices(
              {global:?}",
             whole.shape[dim], plan.rank, local_offset[dim]
         );
-        return Err(invalid(name, reason));
+        return Err(invalid_slice(name, reason));
     }
     Ok(slices)
 }
@@ -136,7 +129,7 @@ pub fn join_slices(
                     "its slices disagree on the whole tensor ({:?} {:?} and {dtype:?} {global:?})",
                     part.dtype, part.global_shape
                 );
-                return Err(invalid(&name, reason));
+                return Err(invalid_slice(&name, reason));
             }
             let (offset, shape) = (&part.offset, &part.shape);
             paste_box(&mut bytes, elem, &global, offset, shape, &part.bytes);
@@ -152,7 +145,7 @@ pub fn join_slices(
                  are covered once, {twice} more than once",
                 boxes.len()
             );
-            return Err(invalid(&name, reason));
+            return Err(invalid_slice(&name, reason));
         }
         let (_, data) = to_data(TensorSlice::whole(name.clone(), dtype, global, bytes))?;
         tensors.insert(name, data);

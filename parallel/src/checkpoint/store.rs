@@ -107,6 +107,14 @@ fn format_err(path: &Path, reason: impl Into<String>) -> CheckpointError {
     }
 }
 
+/// Tensor `name`'s slices, or its place in a module, are inconsistent: `reason` says how.
+pub(crate) fn invalid_slice(name: &str, reason: String) -> CheckpointError {
+    CheckpointError::InvalidSlice {
+        name: name.to_string(),
+        reason,
+    }
+}
+
 /// Element types a checkpoint can hold (a subset of safetensors' dtypes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -217,10 +225,7 @@ impl TensorSlice {
     /// Checks that ranks agree, the box lies inside the global tensor and the byte count is
     /// `product(shape) * dtype.size()`.
     pub fn validate(&self) -> Result<(), CheckpointError> {
-        let bad = |reason: String| CheckpointError::InvalidSlice {
-            name: self.name.clone(),
-            reason,
-        };
+        let bad = |reason: String| invalid_slice(&self.name, reason);
         if self.name.is_empty() || self.name == "__metadata__" {
             return Err(bad("reserved or empty tensor name".into()));
         }

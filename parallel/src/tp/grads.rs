@@ -3,7 +3,7 @@
 //! layer's bias) to its part of the sequence only, so its gradient is the sum over its
 //! positions; the parameter's gradient is the sum over all of them, over the group.
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -11,7 +11,7 @@ use wildfire_backend::comm::ProcessGroup;
 
 use super::plan::TpPlan;
 use crate::grad_sum::{GradSumError, all_reduce_gradient_of_rank};
-use crate::paths::PathStack;
+use crate::paths::{ParamFn, PathStack, for_each_param};
 
 /// The parameters whose gradients the tensor-parallel group sums ([`TpPlan::is_sequence_partial`]),
 /// as `(id, rank)`; none without sequence parallelism.
@@ -29,29 +29,21 @@ impl SequencePartial {
     /// The parameters of `module` (already split by `plan`) that `plan` makes sequence-partial.
     pub fn of<B: Backend, M: Module<B>>(module: &M, plan: &TpPlan) -> Self {
         struct Select<'a> {
-            path: PathStack,
             plan: &'a TpPlan,
             params: Vec<(ParamId, usize)>,
         }
-        impl<B: Backend> ModuleVisitor<B> for Select<'_> {
-            fn enter_module(&mut self, name: &str, container: &str) {
-                self.path.enter(name, container);
-            }
-            fn exit_module(&mut self, _: &str, container: &str) {
-                self.path.exit(container);
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                if self.plan.is_sequence_partial(&self.path.current(), D) {
+        impl<B: Backend> ParamFn<B> for Select<'_> {
+            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+                if self.plan.is_sequence_partial(path, D) {
                     self.params.push((param.id, D));
                 }
             }
         }
         let mut select = Select {
-            path: PathStack::default(),
             plan,
             params: Vec::new(),
         };
-        module.visit(&mut select);
+        for_each_param(module, PathStack::default(), &mut select);
         Self::new(select.params)
     }
 

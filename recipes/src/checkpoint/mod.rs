@@ -42,12 +42,13 @@ use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
 use wildfire_backend::comm::ProcessGroup;
 
-use crate::model::params::{ParamFn, collect_params, for_each_param, load_params, param_names};
+use crate::model::params::{ParamFn, collect_params, load_params, param_names};
 use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW};
 use crate::train::Optimizers;
 use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
+pub use wildfire_parallel::checkpoint::module::ModuleLayout;
 use wildfire_parallel::checkpoint::slices::{join_slices, part_slices};
 use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
 use wildfire_parallel::tp::TpPlan;
@@ -117,80 +118,22 @@ fn stored_name(name: &str) -> &str {
 type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
 type ChunksRecord<B> = <ChunksOptimizer<B> as Optimizer<GptChunks<B>, B>>::Record;
 
-/// Where this rank's parameters sit in the whole model: the tensor-parallel plan (for this rank)
-/// and every parameter's global shape, by name.
-#[derive(Debug, Clone)]
-pub struct ModelLayout {
-    pub plan: TpPlan,
-    pub shapes: BTreeMap<String, Vec<usize>>,
+/// The name under which this rank stores the flattened pieces of parameter `name` (and of its
+/// moments) that ZeRO gives it, or `None` when another tensor-parallel rank stores them: the name
+/// itself for a whole parameter, and for a split one the name of this rank's part,
+/// `name@tp{rank}of{size}` (the flattening of a part is not a box of the whole; loading
+/// re-assembles the parts, see [`assemble_tensor_parallel_parts`]).
+fn flat_name(layout: &ModuleLayout, name: &str) -> anyhow::Result<Option<String>> {
+    let dims = layout.shape(name)?.len();
+    let plan = &layout.plan;
+    Ok(match (layout.stores(name)?, plan.is_split(name, dims)) {
+        (false, _) => None,
+        (true, true) => Some(format!("{name}{TP_PART}{}of{}", plan.rank, plan.size)),
+        (true, false) => Some(name.to_string()),
+    })
 }
 
-impl ModelLayout {
-    /// The layout of `whole`, the model before `tp::apply_plan` splits it as `plan` says.
-    pub fn new<B: Backend>(whole: &Gpt<B>, plan: TpPlan) -> Self {
-        struct Shapes(BTreeMap<String, Vec<usize>>);
-        impl<B: Backend> ParamFn<B> for Shapes {
-            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                self.0.insert(name.to_string(), param.shape().to_vec());
-            }
-        }
-        let mut shapes = Shapes(BTreeMap::new());
-        for_each_param(whole, whole.first_block, &mut shapes);
-        Self {
-            plan,
-            shapes: shapes.0,
-        }
-    }
-
-    /// The global shape of parameter `name`.
-    fn shape(&self, name: &str) -> anyhow::Result<&[usize]> {
-        self.shapes
-            .get(name)
-            .map(Vec::as_slice)
-            .with_context(|| format!("parameter {name} is not in the model's layout"))
-    }
-
-    /// Whether this rank stores parameter `name` (and its moments): its part of a split one;
-    /// a whole one only on the first tensor-parallel rank.
-    fn stores(&self, name: &str) -> anyhow::Result<bool> {
-        let dims = self.shape(name)?.len();
-        Ok(self.plan.rank == 0 || self.plan.is_split(name, dims))
-    }
-
-    /// This rank's part `data` of parameter `name` as the slices stored under `stored` (see
-    /// [`part_slices`]).
-    fn slices(
-        &self,
-        name: &str,
-        stored: String,
-        data: TensorData,
-    ) -> anyhow::Result<Vec<TensorSlice>> {
-        Ok(part_slices(
-            &self.plan,
-            name,
-            self.shape(name)?,
-            stored,
-            data,
-        )?)
-    }
-
-    /// The name under which this rank stores the flattened pieces of parameter `name` (and of
-    /// its moments) that ZeRO gives it, or `None` when another tensor-parallel rank stores them:
-    /// the name itself for a whole parameter, and for a split one the name of this rank's part,
-    /// `name@tp{rank}of{size}` (the flattening of a part is not a box of the whole; loading
-    /// re-assembles the parts, see [`assemble_tensor_parallel_parts`]).
-    fn flat_name(&self, name: &str) -> anyhow::Result<Option<String>> {
-        let dims = self.shape(name)?.len();
-        let plan = &self.plan;
-        Ok(match (self.stores(name)?, plan.is_split(name, dims)) {
-            (false, _) => None,
-            (true, true) => Some(format!("{name}{TP_PART}{}of{}", plan.rank, plan.size)),
-            (true, false) => Some(name.to_string()),
-        })
-    }
-}
-
-/// Marks the name of one tensor-parallel rank's part of a tensor (see [`ModelLayout::flat_name`]).
+/// Marks the name of one tensor-parallel rank's part of a tensor (see [`flat_name`]).
 const TP_PART: &str = "@tp";
 
 /// The parameter name, rank and tensor-parallel size of a part's name (`name@tp{r}of{s}`).
@@ -282,7 +225,7 @@ pub fn save<B: AutodiffBackend>(
     state: TrainState,
     world: &ProcessGroup,
     data_rank: usize,
-    layout: &ModelLayout,
+    layout: &ModuleLayout,
 ) -> anyhow::Result<PathBuf> {
     snapshot(model, optimizers, state, world, data_rank, layout)?.write(root, world)
 }
@@ -313,7 +256,7 @@ pub fn snapshot<B: AutodiffBackend>(
     mut state: TrainState,
     world: &ProcessGroup,
     data_rank: usize,
-    layout: &ModelLayout,
+    layout: &ModuleLayout,
 ) -> anyhow::Result<Snapshot> {
     let first_replica = data_rank == 0;
     let mut slices = Vec::new();
@@ -327,7 +270,7 @@ pub fn snapshot<B: AutodiffBackend>(
             .filter(|(name, _, _)| name != TIED_COPY);
         for (name, _, data) in params {
             if layout.stores(&name)? {
-                slices.extend(layout.slices(&name, name.clone(), data)?);
+                slices.extend(layout.param_slices(&name, name.clone(), data)?);
             }
         }
     }
@@ -342,7 +285,7 @@ pub fn snapshot<B: AutodiffBackend>(
             model.for_each_param(&mut moments);
             for (name, stored, data) in moments.tensors {
                 if layout.stores(&name)? {
-                    slices.extend(layout.slices(&name, stored, data)?);
+                    slices.extend(layout.param_slices(&name, stored, data)?);
                 }
             }
             steps = moments.steps;
@@ -356,7 +299,7 @@ pub fn snapshot<B: AutodiffBackend>(
                 if name == TIED_COPY {
                     continue;
                 }
-                if let Some(stored) = layout.flat_name(name)? {
+                if let Some(stored) = flat_name(layout, name)? {
                     slices.extend(piece_slices(&stored, &piece));
                 }
                 if piece.exp_avg.is_some() {
@@ -368,7 +311,7 @@ pub fn snapshot<B: AutodiffBackend>(
                 if name == TIED_COPY {
                     continue;
                 }
-                if let Some(stored) = layout.flat_name(name)? {
+                if let Some(stored) = flat_name(layout, name)? {
                     shapes.insert(stored, slot.param.shape.clone());
                 }
             }

@@ -4,78 +4,17 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use wildfire_parallel::paths::{self, PathStack};
 
-/// Something done to every float parameter, with its global name.
-pub trait ParamFn<B: Backend> {
-    fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>);
-}
+pub use wildfire_parallel::paths::ParamFn;
 
-/// Module paths, tracked through `enter_module`/`exit_module`.
-#[derive(Debug, Default)]
-struct PathStack {
-    parts: Vec<String>,
-    first_block: usize,
-}
-
-/// Burn enters an enum module's variant like a field (`c_attn.Column.weight`); a parameter's
-/// name leaves the variant out (`c_attn.weight`), so it is the same whichever variant holds it.
-fn is_variant(container: &str) -> bool {
-    container.starts_with("Enum:")
-}
-
-impl PathStack {
-    fn enter(&mut self, name: &str, container: &str) {
-        if is_variant(container) {
-            return;
-        }
-        // A block's local index inside `blocks` becomes its global index.
-        let global = match (self.parts.last().map(String::as_str), name.parse::<usize>()) {
-            (Some("blocks"), Ok(local)) if self.parts.len() == 1 => {
-                (local + self.first_block).to_string()
-            }
-            _ => name.to_string(),
-        };
-        self.parts.push(global);
-    }
-
-    fn exit(&mut self, container: &str) {
-        if !is_variant(container) {
-            self.parts.pop();
-        }
-    }
-
-    fn name(&self, leaf: &str) -> String {
-        let mut name = self.parts.join(".");
-        if !leaf.is_empty() {
-            if !name.is_empty() {
-                name.push('.');
-            }
-            name.push_str(leaf);
-        }
-        name
-    }
-}
-
-/// Burn reports the field holding a parameter (`weight`) as the last `enter_module`, so the
-/// parameter's name is the current path itself.
-struct Visit<'a, F> {
-    path: PathStack,
-    f: &'a mut F,
-}
-
-impl<B: Backend, F: ParamFn<B>> ModuleVisitor<B> for Visit<'_, F> {
-    fn enter_module(&mut self, name: &str, container: &str) {
-        self.path.enter(name, container);
-    }
-    fn exit_module(&mut self, _name: &str, container: &str) {
-        self.path.exit(container);
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.f.visit(&self.path.name(""), param);
-    }
+/// The paths of a stage whose first block is `first_block` of the whole model: blocks numbered
+/// globally.
+fn global_paths(first_block: usize) -> PathStack {
+    PathStack::numbered_from("blocks", first_block)
 }
 
 /// Calls `f` on every float parameter of `module` with its global name, in module order.
@@ -84,13 +23,7 @@ pub fn for_each_param<B: Backend, M: Module<B>, F: ParamFn<B>>(
     first_block: usize,
     f: &mut F,
 ) {
-    module.visit(&mut Visit {
-        path: PathStack {
-            parts: Vec::new(),
-            first_block,
-        },
-        f,
-    });
+    paths::for_each_param(module, global_paths(first_block), f);
 }
 
 /// Every float parameter as `(name, id, data)`, in module order.
@@ -163,7 +96,7 @@ pub fn load_params<B: Backend, M: Module<B>>(
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
-            let name = self.path.name("");
+            let name = self.path.current();
             let expected = tensor.dims().to_vec();
             let replacement = match self.tensors.remove(&name) {
                 None => Err(LoadError::Missing {
@@ -199,10 +132,7 @@ pub fn load_params<B: Backend, M: Module<B>>(
         }
     }
     let mut load = Load {
-        path: PathStack {
-            parts: Vec::new(),
-            first_block,
-        },
+        path: global_paths(first_block),
         tensors: &mut tensors,
         source,
         error: None,

@@ -53,7 +53,7 @@ use wildfire_parallel::precision::{DynamicLossScaler, StepDecision};
 use wildfire_parallel::tp::SequencePartial;
 
 use crate::TrainBackend;
-use crate::checkpoint::{self, BackgroundWriter, ModelLayout, TrainState};
+use crate::checkpoint::{self, BackgroundWriter, ModuleLayout, TrainState};
 use crate::data::{Sampler, SplitMix64};
 use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
@@ -99,7 +99,7 @@ pub struct RankContext {
     pub tie_group: Option<ProcessGroup>,
     pub tensor: ProcessGroup,
     pub replica: ProcessGroup,
-    pub layout: ModelLayout,
+    pub layout: ModuleLayout,
     /// The parameters whose gradients another rank puts into the norm (see
     /// `update::counted_elsewhere`).
     pub counted_elsewhere: Vec<ParamId>,

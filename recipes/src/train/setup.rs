@@ -30,7 +30,7 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use wildfire_parallel::replicas::verify_replicas;
 use wildfire_parallel::update::{Update, device_inner, zero_optimizer};
 
-use crate::checkpoint::ModelLayout;
+use crate::checkpoint::ModuleLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::ActivationCheckpointing;
 use crate::config::{RunConfig, Transport, check_same_model};
@@ -495,7 +495,7 @@ fn run_rank<B: TrainBackend>(
             (None, Some(source)) => crate::hf::init_from(whole, source)?,
             (None, None) => whole,
         };
-        let layout = ModelLayout::new(&whole, tp_plan.clone());
+        let layout = ModuleLayout::of(&whole, tp_plan.clone());
         let split_plan = TpPlan::new(&whole_model_rules(&model_config), tp_rank, tp_size)
             .with_sequence_parallel(tp_plan.sequence_dim);
         let whole = apply_plan(whole, &split_plan, &tensor)?;

@@ -9,7 +9,7 @@ use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::TiedCopies;
 use wildfire_parallel::update::Update;
 
-use crate::checkpoint::ModelLayout;
+use crate::checkpoint::ModuleLayout;
 use crate::model::{GptChunks, TIED_COPY};
 use crate::optim::GptOptimizer;
 
@@ -53,7 +53,7 @@ pub fn zero_layout<B: AutodiffBackend>(
 /// tensor-parallel rank but the first, the parameters all of them hold whole.
 pub fn counted_elsewhere<B: AutodiffBackend>(
     model: &GptChunks<B>,
-    layout: &ModelLayout,
+    layout: &ModuleLayout,
 ) -> Vec<ParamId> {
     let plan = &layout.plan;
     model
