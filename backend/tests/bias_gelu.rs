@@ -19,11 +19,11 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::Parallel;
+use wildfire_backend::kernels::bias_gelu::flex;
 use wildfire_backend::kernels::bias_gelu::{
     FusedBiasGeluBackend, backward_kernel, bias_gelu, forward_kernel, reference_backward,
     reference_forward,
 };
-use wildfire_backend::kernels::flex;
 
 use crate::common::{
     GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff,

@@ -1,8 +1,8 @@
-//! The CubeCL FlashAttention-2 kernels (`kernels::flash`) on wgpu (Mesa's lavapipe on CI), and
+//! The CubeCL FlashAttention-2 kernels (`kernels::attention::cube`) on wgpu (Mesa's lavapipe on CI), and
 //! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three
 //! input gradients against decomposed attention with autodiff on Flex in f32, from the same
 //! (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is 32 rows), head dims
-//! 32, 64 and 128. The native loops on Flex (`kernels::flex`) run the same cases in f32, and
+//! 32, 64 and 128. The native loops on Flex (`kernels::attention::flex`) run the same cases in f32, and
 //! are checked to read strided heads as they lie.
 //!
 //! Lavapipe ends an invocation's loops after 65535 iterations in all (see
@@ -28,9 +28,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorData, TensorPrimitive};
 use cubecl::wgpu::WgpuRuntime;
 use wildfire_backend::Parallel;
+use wildfire_backend::kernels::attention::{cube, flex};
 use wildfire_backend::kernels::attention::{decomposed_attention, fused_attention};
 use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled, loops_capped};
-use wildfire_backend::kernels::{flash, flex};
 
 use crate::common::{KernelBackend, has_dtype, output_and_grads, relative_error};
 
@@ -40,15 +40,15 @@ type Reference = Autodiff<Flex>;
 /// the case's dtype) and the mask: `[output, dQ, dK, dV]`.
 type Run<B> = fn([FloatTensor<B>; 4], bool) -> [FloatTensor<B>; 4];
 
-/// The CubeCL kernels ([`flash::forward`], [`flash::backward`]).
+/// The CubeCL kernels ([`cube::forward`], [`cube::backward`]).
 fn cube_kernels<B: KernelBackend>(
     inputs: [FloatTensor<B>; 4],
     causal: bool,
 ) -> [FloatTensor<B>; 4] {
     let [query, key, value, output_grad] = inputs;
-    let (output, logsumexp) = flash::forward(query.clone(), key.clone(), value.clone(), causal);
+    let (output, logsumexp) = cube::forward(query.clone(), key.clone(), value.clone(), causal);
     let saved = [query, key, value, output.clone(), logsumexp, output_grad];
-    let [query_grad, key_grad, value_grad] = flash::backward(saved, causal);
+    let [query_grad, key_grad, value_grad] = cube::backward(saved, causal);
     [output, query_grad, key_grad, value_grad]
 }
 
@@ -289,7 +289,7 @@ fn shapes_past_the_loop_cap_are_declined_where_lavapipe_may_run() {
     let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
         .into_primitive()
         .tensor();
-    let declined = flash::unsupported(&[query.clone(), query.clone(), query]);
+    let declined = cube::unsupported(&[query.clone(), query.clone(), query]);
     match declined {
         Some(reason) => assert!(
             lavapipe_installed

@@ -27,10 +27,10 @@ use crate::alloc::HEAP;
 type B = Autodiff<CpuBackend>;
 
 const STAGES: [ZeroStage; 4] = [
-    ZeroStage::Zero0,
-    ZeroStage::One,
-    ZeroStage::Two,
-    ZeroStage::Three,
+    ZeroStage::Replicated,
+    ZeroStage::ShardOptimizer,
+    ZeroStage::ShardGradients,
+    ZeroStage::ShardParameters,
 ];
 
 #[derive(Debug, Args)]
@@ -129,7 +129,7 @@ fn model_states() -> anyhow::Result<Vec<StateRow>> {
             zero.set_moments(&moments)?;
             let grads = gradient_buffers(&layout, stage, dp);
             let built = HEAP.current() - start;
-            let replicated = if stage == ZeroStage::Three {
+            let replicated = if stage == ZeroStage::ShardParameters {
                 0
             } else {
                 model_bytes
@@ -166,7 +166,7 @@ fn gradient_buffers(
         .iter()
         .map(|bucket| {
             let len = match stage {
-                ZeroStage::Zero0 | ZeroStage::One => bucket.numel,
+                ZeroStage::Replicated | ZeroStage::ShardOptimizer => bucket.numel,
                 _ => split_ranges(bucket.numel, dp)[0].len(),
             };
             Tensor::zeros([len], &Default::default())
@@ -178,7 +178,7 @@ fn gradient_buffers(
 /// serial training for reference.
 fn step_peaks() -> anyhow::Result<Vec<StepRow>> {
     let mut rows = Vec::new();
-    let layouts = [(1, ZeroStage::Zero0)]
+    let layouts = [(1, ZeroStage::Replicated)]
         .into_iter()
         .chain(STAGES.into_iter().map(|stage| (2, stage)));
     for (dp, stage) in layouts {

@@ -47,7 +47,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pytorch: bool,
     /// Also run wildfire with the fused ops' reference in Burn ops (`WILDFIRE_KERNELS=reference`)
-    /// in place of their native loops on Flex (`kernels::flex`).
+    /// in place of their native loops on Flex (the ops' `flex` modules in `kernels`).
     #[arg(long)]
     reference_ops: bool,
 }

@@ -3,6 +3,7 @@
 //! Burn's pieces. Each program is a module here (so the tests can run it on thread ranks or as
 //! processes) and a thin binary in `src/bin/` (so `wildfire launch` can run it as processes).
 
+pub mod checkpoints;
 pub mod mlp;
 pub mod pipeline;
 pub mod tensor_parallel;

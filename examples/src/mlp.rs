@@ -34,6 +34,8 @@ use wildfire_parallel::pp::graphs_lock;
 use wildfire_parallel::strategy::{Silent, StrategyError};
 use wildfire_parallel::tp::{ParallelLinear, TensorParallel};
 
+use crate::checkpoints::Checkpoints;
+
 /// Input features and classes.
 pub const FEATURES: usize = 16;
 pub const CLASSES: usize = 4;
@@ -323,8 +325,11 @@ pub struct LoopRun {
     pub seed: u64,
     /// Points per batch.
     pub batch: usize,
+    /// Steps in all (a resumed run takes those after its checkpoint's).
     pub steps: usize,
     pub lr: f64,
+    /// Where the run keeps checkpoints and resumes from, if it does.
+    pub checkpoints: Option<Checkpoints>,
 }
 
 impl LoopRun {

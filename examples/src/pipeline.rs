@@ -8,6 +8,12 @@
 //!
 //! The executor passes activations as `[.., .., ..]` tensors: a stage hands over its
 //! `[points, width]` activation as `[1, points, width]`.
+//!
+//! With tensor parallelism as well (tp × pp ranks), the model is split by its plan
+//! ([`crate::tensor_parallel::TP_PLAN`]) before it is cut: each stage's parallel layers keep
+//! their tensor-parallel group, and a stage hands its tensor-parallel rank's part of an
+//! activation to the same rank of the next stage. A stage's checkpoint names its parameters by
+//! their paths in the whole model, so it loads into any other cut and degree.
 
 use burn::module::{AutodiffModule, Module};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -16,11 +22,14 @@ use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::collective::CollectiveBackend;
-use wildfire_backend::comm::ProcessGroup;
+use wildfire_parallel::Mesh;
 use wildfire_parallel::fsdp::ShardedUnit;
+use wildfire_parallel::paths::PathStack;
 use wildfire_parallel::pp::{PipelineChunk, Schedule, ScheduleKind, check, graphs_lock, run_step};
 
+use crate::checkpoints;
 use crate::mlp::{Block, LoopRun, Mlp, Points};
+use crate::tensor_parallel;
 
 /// One pipeline stage of the MLP: the input layer on the first stage, a run of hidden blocks,
 /// the output layer on the last stage.
@@ -114,41 +123,60 @@ pub fn micro_batches<B: AutodiffBackend>(
         .collect()
 }
 
-/// Trains `run` (its model drawn whole from its seed, cut at `cuts`) on this rank of the
-/// pipeline `group`, one stage per rank, with `kind`'s schedule of `m` micro-batches and Burn's
-/// AdamW on each stage: returns this rank's trained stage and every step's loss (the last
-/// stage's; 0 on the others).
+/// Trains `run` (its model drawn whole from its seed, split by its tensor-parallel plan over the
+/// mesh's tensor group, cut at `cuts`) on this rank of `mesh`, one stage per pipeline rank, with
+/// `kind`'s schedule of `m` micro-batches and Burn's AdamW on each stage, from the newest
+/// checkpoint of the run if it has one: returns this rank's trained stage and the loss of every
+/// step it took (the last stage's; 0 on the others).
 pub fn train<B>(
     run: &LoopRun,
     cuts: &[usize],
     kind: ScheduleKind,
     m: usize,
-    group: &ProcessGroup,
+    mesh: &Mesh,
 ) -> anyhow::Result<(MlpStage<B>, Vec<f64>)>
 where
     B: AutodiffBackend + CollectiveBackend,
     MlpStage<B>: AutodiffModule<B>,
 {
+    let group = mesh.pipeline();
     let schedule = Schedule::build(kind, group.size(), 1, m)?;
     check(&schedule)?;
     let device = B::Device::default();
-    let mut stage = {
-        // Ranks that are threads of one process share Burn's RNG and autodiff registry.
+    let (model, layout) = tensor_parallel::build::<B>(run, false, mesh.tensor())?;
+    let stage = {
+        // Ranks that are threads of one process share Burn's autodiff registry.
         let _lock = graphs_lock();
-        let model = Mlp::<B>::drawn(&device, run.shape, run.seed, Default::default());
         stages(model, cuts).swap_remove(group.rank())
     };
-    let mut optimizer = AdamWConfig::new().init();
+    let first_block = group.rank().checked_sub(1).map_or(0, |cut| cuts[cut]);
+    let layout = layout.at(PathStack::numbered_from("blocks", first_block));
+    let (mut stage, mut optimizer, start) = checkpoints::resume(
+        run.checkpoints.as_ref(),
+        &layout,
+        stage,
+        AdamWConfig::new().init(),
+    )?;
     let mut losses = Vec::with_capacity(run.steps);
-    for step in 0..run.steps {
+    for step in start..run.steps {
         let micro = micro_batches::<B>(run, step, m);
         let chunks = [stage];
         let result = run_step(&schedule, group.rank(), group, &chunks, &micro, &device)?;
         let [chunk] = chunks;
         losses.push(result.stats.loss);
         let grads = result.grads.into_iter().next().unwrap_or_default();
-        let _lock = graphs_lock();
-        stage = optimizer.step(run.lr, chunk, grads);
+        {
+            let _lock = graphs_lock();
+            stage = optimizer.step(run.lr, chunk, grads);
+        }
+        checkpoints::save_when_due(
+            run.checkpoints.as_ref(),
+            step + 1,
+            &layout,
+            &stage,
+            &optimizer,
+            mesh.world(),
+        )?;
     }
     Ok((stage, losses))
 }

@@ -9,7 +9,9 @@
 //! The training loop is Burn's own (forward, backward, `GradientsParams`, an optimizer step);
 //! what tensor parallelism adds is [`apply_plan`] once, and under sequence parallelism the sum
 //! of the gradients that each rank computes over its points only ([`SequencePartial`]: here the
-//! row-parallel block's bias).
+//! row-parallel block's bias). Its checkpoints ([`crate::checkpoints`]) hold whole tensors cut
+//! into the ranks' boxes, so a run saved at one degree resumes at another, or cut into pipeline
+//! stages ([`crate::pipeline`]).
 
 use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -18,10 +20,12 @@ use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::collective::CollectiveBackend;
 use wildfire_backend::comm::ProcessGroup;
+use wildfire_parallel::checkpoint::module::ModuleLayout;
 use wildfire_parallel::grad_sum::GradSumError;
 use wildfire_parallel::pp::graphs_lock;
 use wildfire_parallel::tp::{PlanError, SequencePartial, TpPlan, TpStyle, apply_plan};
 
+use crate::checkpoints;
 use crate::mlp::{LoopRun, Mlp, Points, StepLog};
 
 /// The MLP's tensor-parallel plan: the first two hidden blocks as a column-, row-parallel pair
@@ -41,20 +45,22 @@ pub fn plan(group: &ProcessGroup, sequence_parallel: bool) -> TpPlan {
 }
 
 /// The model of `run`, drawn whole from its seed and split by its plan over `group` (a group of
-/// one rank keeps it whole).
+/// one rank keeps it whole), with its layout (where this rank's part sits in the whole model).
 pub fn build<B>(
     run: &LoopRun,
     sequence_parallel: bool,
     group: &ProcessGroup,
-) -> Result<Mlp<B>, PlanError>
+) -> Result<(Mlp<B>, ModuleLayout), PlanError>
 where
     B: AutodiffBackend + CollectiveBackend,
 {
     let device = B::Device::default();
+    let plan = plan(group, sequence_parallel);
     // Ranks that are threads of one process share Burn's RNG and autodiff registry.
     let _lock = graphs_lock();
     let model = Mlp::<B>::drawn(&device, run.shape, run.seed, StepLog::default());
-    apply_plan(model, &plan(group, sequence_parallel), group)
+    let layout = ModuleLayout::of(&model, plan.clone());
+    Ok((apply_plan(model, &plan, group)?, layout))
 }
 
 /// The batch's mean cross-entropy loss.
@@ -86,8 +92,9 @@ where
     Ok((grads, value))
 }
 
-/// Trains `run` on this rank of `group` with Burn's AdamW: returns the trained model (this
-/// rank's part of it) and every step's loss (the same on every rank).
+/// Trains `run` on this rank of `group` with Burn's AdamW, from the newest checkpoint of the run
+/// if it has one: returns the trained model (this rank's part of it) and the loss of every step
+/// it took (the same on every rank).
 pub fn train<B>(
     run: &LoopRun,
     sequence_parallel: bool,
@@ -97,16 +104,31 @@ where
     B: AutodiffBackend + CollectiveBackend,
     Mlp<B>: AutodiffModule<B>,
 {
-    let mut model = build::<B>(run, sequence_parallel, group)?;
+    let (model, layout) = build::<B>(run, sequence_parallel, group)?;
     let partial = SequencePartial::of(&model, &plan(group, sequence_parallel));
-    let mut optimizer = AdamWConfig::new().init();
+    let (mut model, mut optimizer, start) = checkpoints::resume(
+        run.checkpoints.as_ref(),
+        &layout,
+        model,
+        AdamWConfig::new().init(),
+    )?;
     let mut losses = Vec::with_capacity(run.steps);
-    for step in 0..run.steps {
+    for step in start..run.steps {
         let (grads, loss) = gradients(&model, run.batch(step), &partial, group)?;
         losses.push(loss);
-        // The step makes new parameter leaves: thread ranks take the autodiff lock for it.
-        let _lock = graphs_lock();
-        model = optimizer.step(run.lr, model, grads);
+        {
+            // The step makes new parameter leaves: thread ranks take the autodiff lock for it.
+            let _lock = graphs_lock();
+            model = optimizer.step(run.lr, model, grads);
+        }
+        checkpoints::save_when_due(
+            run.checkpoints.as_ref(),
+            step + 1,
+            &layout,
+            &model,
+            &optimizer,
+            group,
+        )?;
     }
     Ok((model, losses))
 }

@@ -33,7 +33,7 @@ impl Default for ParallelDims {
             dp: 1,
             tp: 1,
             pp: 1,
-            zero: ZeroStage::Zero0,
+            zero: ZeroStage::Replicated,
             sequence_parallel: false,
         }
     }
@@ -167,10 +167,10 @@ impl ParallelDims {
 
     /// Checks a ZeRO stage against the layout.
     pub fn check_zero(&self, stage: ZeroStage) -> Result<(), MeshError> {
-        if stage == ZeroStage::Three && self.pp > 1 {
+        if stage == ZeroStage::ShardParameters && self.pp > 1 {
             return Err(MeshError::ZeroWithPipeline { pp: self.pp });
         }
-        if stage == ZeroStage::Three && self.tp > 1 {
+        if stage == ZeroStage::ShardParameters && self.tp > 1 {
             return Err(MeshError::ZeroWithTensor { tp: self.tp });
         }
         Ok(())
@@ -412,7 +412,7 @@ mod tests {
             Err(MeshError::SequenceWithoutTensor)
         ));
         let zero3 = ParallelDims {
-            zero: ZeroStage::Three,
+            zero: ZeroStage::ShardParameters,
             ..dims
         };
         assert_eq!(
@@ -420,9 +420,11 @@ mod tests {
             "ZeRO stage 3 with tensor parallelism (tp 4) is not supported yet: its units gather \
              whole parameters; use ZeRO stage 1 or 2 with tp > 1"
         );
-        assert!(dims.check_zero(ZeroStage::Two).is_ok());
+        assert!(dims.check_zero(ZeroStage::ShardGradients).is_ok());
         assert_eq!(
-            dims.check_zero(ZeroStage::Three).unwrap_err().to_string(),
+            dims.check_zero(ZeroStage::ShardParameters)
+                .unwrap_err()
+                .to_string(),
             "ZeRO stage 3 with tensor parallelism (tp 4) is not supported yet: its units gather \
              whole parameters; use ZeRO stage 1 or 2 with tp > 1"
         );
@@ -462,12 +464,12 @@ mod tests {
             "the global batch is 60 sequences, but micro-batch 8 × accumulation 2 × dp 4 = 64: \
              change one of them (or leave the global batch unset and it is that product)"
         );
-        assert!(dims.check_zero(ZeroStage::Three).is_ok());
+        assert!(dims.check_zero(ZeroStage::ShardParameters).is_ok());
         let piped = ParallelDims { pp: 2, ..dims };
-        assert!(piped.check_zero(ZeroStage::Two).is_ok());
+        assert!(piped.check_zero(ZeroStage::ShardGradients).is_ok());
         assert!(
             piped
-                .check_zero(ZeroStage::Three)
+                .check_zero(ZeroStage::ShardParameters)
                 .unwrap_err()
                 .to_string()
                 .contains("pp = 2")

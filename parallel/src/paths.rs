@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 /// The path of the module or parameter a visitor or mapper is at.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct PathStack {
     parts: Vec<String>,
     /// A top-level list whose entries are named from an index other than 0 (see
@@ -101,6 +101,14 @@ pub fn for_each_param<B: Backend, M: Module<B>, F: ParamFn<B>>(
 
 /// Every float parameter of `module` as `(path, shape)`, in module order.
 pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    param_shapes_at(module, PathStack::default())
+}
+
+/// Every float parameter of `module` as `(path, shape)`, named as `path` names them.
+pub fn param_shapes_at<B: Backend, M: Module<B>>(
+    module: &M,
+    path: PathStack,
+) -> Vec<(String, Vec<usize>)> {
     struct Shapes(Vec<(String, Vec<usize>)>);
     impl<B: Backend> ParamFn<B> for Shapes {
         fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
@@ -108,7 +116,7 @@ pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<us
         }
     }
     let mut shapes = Shapes(Vec::new());
-    for_each_param(module, PathStack::default(), &mut shapes);
+    for_each_param(module, path, &mut shapes);
     shapes.0
 }
 

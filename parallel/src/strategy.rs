@@ -4,7 +4,7 @@
 //! optimizer through [`DataParallel`] and add one strategy line:
 //!
 //! ```text
-//! let strategy = DataParallel::from_env(ParallelDims::data(dp, ZeroStage::One))?;
+//! let strategy = DataParallel::from_env(ParallelDims::data(dp, ZeroStage::ShardOptimizer))?;
 //! let optimizer = strategy.adamw(&model, FusedAdamW::new(0.9, 0.999, 1e-8, 0.01))?;
 //! SupervisedTraining::new(strategy.artifact_dir(dir), train, valid)
 //!     .metric_train_numeric(strategy.grad_norm_metric()) /* optional */
@@ -82,7 +82,7 @@ use crate::moments::{
 use crate::offload::PlacedAdamW;
 use crate::pp::graphs_lock;
 use crate::replicas::{broadcast_parameters, verify_replicas};
-use crate::update::{StepOptions, Update, UpdateGroups, inner_device, lock, zero_optimizer};
+use crate::update::{StepOptions, Update, UpdateGroups, lock, module_inner_device, zero_optimizer};
 
 /// Why [`DataParallel`] cannot build an optimizer for a model.
 #[derive(Debug, thiserror::Error)]
@@ -178,13 +178,13 @@ impl DataParallel {
         M: AutodiffModule<A>,
     {
         let stage = self.mesh.dims().zero;
-        if matches!(stage, ZeroStage::Zero0 | ZeroStage::Three) {
+        if matches!(stage, ZeroStage::Replicated | ZeroStage::ShardParameters) {
             let placed = PlacedAdamW::new(adamw, self.offload);
             let mut optimizer = self.by_tensor(model, OptimizerAdaptor::from(placed))?;
-            let units = (stage == ZeroStage::Three).then(|| self.mesh.data());
+            let units = (stage == ZeroStage::ShardParameters).then(|| self.mesh.data());
             optimizer.moments = Some(Arc::new(AdaptorMoments {
                 positions: Mutex::new(AdaptorPositions::new(model, units)),
-                device: inner_device(model),
+                device: module_inner_device(model),
                 offload: self.offload,
                 pieces: AdaptorPositions::pieces,
                 restore: AdaptorPositions::restore,
@@ -234,10 +234,10 @@ impl DataParallel {
         O: Optimizer<M, A>,
     {
         let update = match self.mesh.dims().zero {
-            ZeroStage::Zero0 => {
+            ZeroStage::Replicated => {
                 Update::replicated(optimizer, FlatLayout::of_module(model, self.bucket_bytes))
             }
-            ZeroStage::Three => {
+            ZeroStage::ShardParameters => {
                 let (outside, rows) = self.split_by_units::<A, M>(model)?;
                 Update::by_units(optimizer, outside, rows)
             }
@@ -281,7 +281,7 @@ impl DataParallel {
     /// anyway).
     fn units_stay_whole(&self) -> bool {
         let data = self.mesh.data();
-        self.mesh.dims().zero == ZeroStage::Three
+        self.mesh.dims().zero == ZeroStage::ShardParameters
             && data.size() > 1
             && data.transport_name() == "local"
     }
@@ -508,7 +508,7 @@ where
             },
             (Update::Replicated { optimizer, .. }, Some(moments)) => {
                 // Sharded stages write a parameter every rank holds whole from rank 0 only.
-                let writes_whole = stage == ZeroStage::Zero0 || data.rank() == 0;
+                let writes_whole = stage == ZeroStage::Replicated || data.rank() == 0;
                 let positions = lock(&moments.positions);
                 let optimizer = lock(optimizer);
                 let device = &moments.device;
@@ -543,7 +543,7 @@ where
             ),
             (None, Update::Sharded(_), _) | (None, Update::Replicated { .. }, Some(_)) => {
                 *lock(&self.saved) = Some(SavedMoments {
-                    whole: saved == Some(ZeroStage::Zero0),
+                    whole: saved == Some(ZeroStage::Replicated),
                     ranks,
                     pieces,
                 });
@@ -627,7 +627,8 @@ where
         let data = self.mesh.data();
         let leader = self.mesh.world().rank() == 0;
         // ZeRO 3 whose units gather in their forward; on thread ranks the optimizer shards them.
-        let by_units = self.mesh.dims().zero == ZeroStage::Three && !self.units_stay_whole();
+        let by_units =
+            self.mesh.dims().zero == ZeroStage::ShardParameters && !self.units_stay_whole();
         identical_replicas(&mut learner, data);
         if by_units {
             let sharded = shard_units(learner.model(), data)

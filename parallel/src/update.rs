@@ -24,7 +24,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, ReduceOp};
+use wildfire_backend::comm::{CommError, ProcessGroup};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::clip::{grad_sum_of_squares_where, scale_grads, unscale_and_clip};
@@ -115,15 +115,6 @@ impl StepOptions<'_> {
     }
 }
 
-/// `value` summed over `group` (itself in a group of one).
-pub fn group_sum(group: &ProcessGroup, value: f64) -> Result<f64, CommError> {
-    if group.size() == 1 {
-        return Ok(value);
-    }
-    let sum = group.all_reduce_host(HostTensor::new(vec![value], vec![1]), ReduceOp::Sum)?;
-    Ok(sum.data[0])
-}
-
 /// The data-parallel update of a module `M` on autodiff backend `A`: DDP with any Burn
 /// optimizer `O`, ZeRO 3 by units with it, or ZeRO 1–3's sharded AdamW.
 pub enum Update<A: AutodiffBackend, O> {
@@ -188,8 +179,8 @@ impl<A: AutodiffBackend, O> Update<A, O> {
         match self {
             Self::Replicated {
                 unit_rows: None, ..
-            } => ZeroStage::Zero0,
-            Self::Replicated { .. } => ZeroStage::Three,
+            } => ZeroStage::Replicated,
+            Self::Replicated { .. } => ZeroStage::ShardParameters,
             Self::Sharded(zero) => lock(zero).stage(),
         }
     }
@@ -273,7 +264,7 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                 layout,
                 unit_rows,
             } => {
-                let device = inner_device(&model);
+                let device = module_inner_device(&model);
                 let (mut grads, reduce) =
                     dp::all_reduce_gradients(groups.data, &lock(layout), &model, grads, &device)?;
                 let units = self.held_by_rows(&model);
@@ -281,13 +272,13 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                 let whole = grad_sum_of_squares_where(&model, &grads, |id| {
                     counted(id) && !units.contains(&id)
                 });
-                let mut squares = group_sum(groups.replica, whole)?;
+                let mut squares = groups.replica.sum_value(whole)?;
                 if unit_rows.is_some() {
                     // Each rank holds its own rows of the units' gradients.
                     let rows = grad_sum_of_squares_where(&model, &grads, |id| {
                         counted(id) && units.contains(&id)
                     });
-                    squares += group_sum(groups.world, rows)?;
+                    squares += groups.world.sum_value(rows)?;
                 }
                 let scaled_norm = squares.sqrt();
                 let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
@@ -304,11 +295,11 @@ impl<A: AutodiffBackend, O> Update<A, O> {
             Self::Sharded(zero) => {
                 let mut zero = lock(zero);
                 let (mut grads, reduce) = match zero.stage() {
-                    ZeroStage::Three => (grads, ReduceStats::default()),
+                    ZeroStage::ShardParameters => (grads, ReduceStats::default()),
                     _ => zero.reduce(&model, grads)?,
                 };
                 let squares = zero.shard_sum_of_squares(&grads, counted_elsewhere);
-                let scaled_norm = group_sum(groups.world, squares)?.sqrt();
+                let scaled_norm = groups.world.sum_value(squares)?.sqrt();
                 let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
                     return Ok((model, UpdateStats::skipped(reduce)));
                 };
@@ -316,7 +307,7 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                     zero.scale_shards(&mut grads, factor);
                 }
                 let current = match zero.stage() {
-                    ZeroStage::Three => Default::default(),
+                    ZeroStage::ShardParameters => Default::default(),
                     _ => dp::flat_params(&model),
                 };
                 let updated = zero.step(lr, &current, &mut grads)?;
@@ -341,7 +332,7 @@ pub fn zero_optimizer<A: AutodiffBackend, M: AutodiffModule<A>>(
     halves: (FusedAdamW, FusedAdamW),
     offload: bool,
 ) -> ZeroOptimizer<A::InnerBackend> {
-    let device = inner_device(model);
+    let device = module_inner_device(model);
     let mut zero = ZeroOptimizer::new(stage, group, layout, halves, offload, device);
     zero.set_params(&dp::flat_params(model));
     zero
@@ -349,14 +340,14 @@ pub fn zero_optimizer<A: AutodiffBackend, M: AutodiffModule<A>>(
 
 /// The inner backend's device of `module`'s parameters (the default device for a module
 /// without any).
-pub fn inner_device<A: AutodiffBackend, M: AutodiffModule<A>>(
+pub fn module_inner_device<A: AutodiffBackend, M: AutodiffModule<A>>(
     module: &M,
 ) -> burn::tensor::Device<A::InnerBackend> {
-    device_inner::<A>(&module.devices().into_iter().next().unwrap_or_default())
+    inner_device_of::<A>(&module.devices().into_iter().next().unwrap_or_default())
 }
 
 /// The inner backend's device that corresponds to `device`.
-pub fn device_inner<A: AutodiffBackend>(
+pub fn inner_device_of<A: AutodiffBackend>(
     device: &A::Device,
 ) -> burn::tensor::Device<A::InnerBackend> {
     burn::tensor::Tensor::<A, 1>::zeros([1], device)

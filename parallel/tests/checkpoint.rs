@@ -3,18 +3,21 @@
 //! column-parallel layer in 3 sections, a row-parallel one, a replicated Burn `Linear`) split at
 //! tp 2, each rank's slices saved through the store and joined again; loaded at tp 1 it is the
 //! whole model, at tp 2 and 4 each rank's part is the part the plan cuts from the whole model,
-//! all bitwise. A checkpoint missing a parameter, or one whose tensors do not fit the model, is
-//! refused naming the parameter.
+//! all bitwise. AdamW's moments go the same way: whole moments loaded at tp 2 and 4 and saved
+//! again join into the same whole moments, bitwise. A checkpoint missing a parameter or a
+//! moment, or one whose tensors do not fit the model, is refused naming the tensor.
 
 use std::collections::BTreeMap;
 
-use burn::backend::Flex;
+use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{EmbeddingConfig, Linear, LinearConfig};
+use burn::optim::AdamWConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{CommOptions, ProcessGroup};
 use wildfire_parallel::checkpoint::module::ModuleLayout;
+use wildfire_parallel::checkpoint::optimizer::{load_optimizer, optimizer_slices};
 use wildfire_parallel::checkpoint::slices::join_slices;
 use wildfire_parallel::checkpoint::store::{self, CheckpointError};
 use wildfire_parallel::tp::{ParallelEmbedding, ParallelLinear, TpPlan, TpStyle, apply_plan};
@@ -46,6 +49,10 @@ static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The whole model, drawn from `seed` (every parameter now: Burn draws on first use).
 fn net(seed: u64) -> Net<B> {
+    net_on::<B>(seed)
+}
+
+fn net_on<B: Backend>(seed: u64) -> Net<B> {
     let device = Default::default();
     let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
     B::seed(&device, seed);
@@ -55,8 +62,19 @@ fn net(seed: u64) -> Net<B> {
         out: LinearConfig::new(8, 8).init(&device).into(),
         head: LinearConfig::new(8, 3).init(&device),
     };
-    values(&net);
+    for_each_value(&net);
     net
+}
+
+/// Reads every parameter (Burn draws a parameter on its first read).
+fn for_each_value<B: Backend, M: Module<B>>(module: &M) {
+    struct Draw;
+    impl<B: Backend> ModuleVisitor<B> for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            param.val();
+        }
+    }
+    module.visit(&mut Draw);
 }
 
 /// Every parameter's path → values.
@@ -143,4 +161,84 @@ fn a_checkpoint_that_does_not_fit_is_refused_naming_the_parameter() {
         "{error}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+type A = Autodiff<Flex>;
+
+/// Whole AdamW state for every parameter of the model: two moments of distinct values and a
+/// step count, by stored name.
+fn whole_moments() -> BTreeMap<String, TensorData> {
+    let mut tensors = BTreeMap::new();
+    let shapes = wildfire_parallel::paths::param_shapes(&net(1));
+    for (i, (path, shape)) in shapes.into_iter().enumerate() {
+        let len: usize = shape.iter().product();
+        for (k, prefix) in ["optim.exp_avg.", "optim.exp_avg_sq."]
+            .into_iter()
+            .enumerate()
+        {
+            let values: Vec<f32> = (0..len)
+                .map(|j| (k * 100_000 + i * 1000 + j) as f32)
+                .collect();
+            let data = TensorData::new(values, shape.clone());
+            tensors.insert(format!("{prefix}{path}"), data);
+        }
+        tensors.insert(
+            format!("optim.step.{path}"),
+            TensorData::new(vec![7i64], [1]),
+        );
+    }
+    tensors
+}
+
+/// The slices of an AdamW loaded from `tensors` into the model split for rank `group` (on the
+/// autodiff backend), saved again.
+fn loaded_adamw(
+    group: &ProcessGroup,
+    tensors: &BTreeMap<String, TensorData>,
+) -> Result<Vec<store::TensorSlice>, CheckpointError> {
+    let plan = TpPlan::new(PLAN, group.rank(), group.size());
+    let whole = net_on::<A>(2);
+    let layout = ModuleLayout::of(&whole, plan.clone());
+    let model = apply_plan(whole, &plan, group).unwrap();
+    let adamw = load_optimizer(&layout, &model, AdamWConfig::new().init(), tensors)?;
+    optimizer_slices(&layout, &model, &adamw)
+}
+
+#[test]
+fn adamw_moments_load_at_tp_2_and_4_and_save_as_the_whole_moments() {
+    let whole = whole_moments();
+    for tp in [1, 2, 4] {
+        let slices: Vec<_> = (ranks(tp).iter())
+            .flat_map(|group| loaded_adamw(group, &whole).unwrap())
+            .collect();
+        let joined = join_slices(slices).unwrap();
+        assert_eq!(
+            joined.keys().collect::<Vec<_>>(),
+            whole.keys().collect::<Vec<_>>(),
+            "tp {tp}: every moment and step, once"
+        );
+        for (name, data) in &whole {
+            assert_eq!(&joined[name], data, "tp {tp}: {name}");
+        }
+    }
+}
+
+#[test]
+fn moments_that_do_not_fit_are_refused_naming_the_tensor() {
+    let group = ranks(2).remove(0);
+    let mut missing = whole_moments();
+    missing.remove("optim.exp_avg_sq.out.bias");
+    let error = loaded_adamw(&group, &missing).unwrap_err().to_string();
+    assert!(
+        error.contains("optim.exp_avg_sq.out.bias") && error.contains("missing"),
+        "{error}"
+    );
+    let mut wrong = whole_moments();
+    let moment = TensorData::new(vec![0f32; 8 * 12], [8, 12]);
+    wrong.insert("optim.exp_avg.qkv.weight".into(), moment);
+    let error = loaded_adamw(&group, &wrong).unwrap_err().to_string();
+    assert!(
+        error.contains("optim.exp_avg.qkv.weight") && error.contains("[8, 24]"),
+        "{error}"
+    );
 }

@@ -291,7 +291,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
     };
     for step in 0..STEPS {
         let batch = batch(step, rows.clone(), false);
-        let mut grads = if stage == ZeroStage::Three {
+        let mut grads = if stage == ZeroStage::ShardParameters {
             let step =
                 run_sharded_step::<A, _>(&zero, &skeletons, std::slice::from_ref(&batch), None)
                     .unwrap();
@@ -308,7 +308,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
             run.owned_grads = owned_parts(&zero, &grads);
             let squares = zero.shard_sum_of_squares(&grads, &[]);
             run.norm_squared = match stage {
-                ZeroStage::Zero0 => squares,
+                ZeroStage::Replicated => squares,
                 _ => {
                     group
                         .all_reduce_host(HostTensor::new(vec![squares], vec![1]), ReduceOp::Sum)
@@ -318,7 +318,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
             };
         }
         let updated = zero.step(LR, &dp::flat_params(&model), &mut grads).unwrap();
-        if stage == ZeroStage::Three {
+        if stage == ZeroStage::ShardParameters {
             let mut values = HashMap::new();
             for unit in 0..2 {
                 values.extend(zero.gather_unit(unit).unwrap());
@@ -348,7 +348,7 @@ fn owned_parts(
         .iter()
         .map(|bucket| {
             let range = match zero.stage() {
-                ZeroStage::Zero0 => 0..bucket.numel,
+                ZeroStage::Replicated => 0..bucket.numel,
                 _ => split_ranges(bucket.numel, ranks)[rank].clone(),
             };
             let part = grads
@@ -364,7 +364,7 @@ fn owned_parts(
 
 #[test]
 fn flat_adamw_replicated_equals_burns_per_tensor_ddp_bitwise() {
-    let flat = threads(2, |group| zero_run(group, ZeroStage::Zero0, false));
+    let flat = threads(2, |group| zero_run(group, ZeroStage::Replicated, false));
     let burn = ddp(2, false);
     for (rank, (flat, burn)) in flat.iter().zip(&burn).enumerate() {
         for (step, (a, b)) in flat.params.iter().zip(burn).enumerate() {
@@ -376,13 +376,13 @@ fn flat_adamw_replicated_equals_burns_per_tensor_ddp_bitwise() {
 #[test]
 fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
     for ranks in [2, 4] {
-        let reference = threads(ranks, |group| zero_run(group, ZeroStage::Zero0, false));
+        let reference = threads(ranks, |group| zero_run(group, ZeroStage::Replicated, false));
         for (stage, offload) in [
-            (ZeroStage::One, false),
-            (ZeroStage::Two, false),
-            (ZeroStage::Three, false),
-            (ZeroStage::One, true),
-            (ZeroStage::Three, true),
+            (ZeroStage::ShardOptimizer, false),
+            (ZeroStage::ShardGradients, false),
+            (ZeroStage::ShardParameters, false),
+            (ZeroStage::ShardOptimizer, true),
+            (ZeroStage::ShardParameters, true),
         ] {
             let runs = threads(ranks, move |group| zero_run(group, stage, offload));
             for (rank, (run, expected)) in runs.iter().zip(&reference).enumerate() {

@@ -431,7 +431,7 @@ impl RunConfig {
         // The parallel layout is validated in one place, `ParallelDims::pipeline`, before a run
         // touches its directory; only the schedule's name is read here.
         self.parallel.schedule_kind()?;
-        if self.parallel.zero_stage()? == ZeroStage::Zero0 && self.parallel.offload_optimizer {
+        if self.parallel.zero_stage()? == ZeroStage::Replicated && self.parallel.offload_optimizer {
             bail!(
                 "parallel.offload_optimizer = true offloads ZeRO's sharded optimizer, but \
                  parallel.zero = 0 keeps Burn's replicated one: use --zero 1, 2 or 3"

@@ -10,8 +10,10 @@ use burn::optim::{AdamWState, GradientsParams, Optimizer, SimpleOptimizer};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_parallel::update::Update;
 
 use crate::config::TrainSection;
+use crate::model::GptChunks;
 
 /// AdamW that decays only tensors of rank ≥ 2 (weight matrices and embeddings), never biases or
 /// LayerNorm gains, as GPT-2 reproductions do. Both halves share Burn's AdamW update
@@ -130,6 +132,9 @@ where
 
 /// The recipe's optimizer type for model `M` on backend `B`.
 pub type GptOptimizer<M, B> = SharedOptimizer<OptimizerAdaptor<MatrixDecayAdamW, M, B>>;
+
+/// The optimizer of a run, with its data-parallel reduction (`wildfire_parallel::update`).
+pub type Optimizers<B> = Update<B, GptOptimizer<GptChunks<B>, B>>;
 
 /// Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `max_steps`:
 ///

@@ -41,7 +41,7 @@ use crate::common::*;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup};
+use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup, run_thread_ranks};
 use wildfire_parallel::tp::{TpPlan, apply_plan};
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::checkpoint::store::{cut_box, paste_box};
@@ -331,32 +331,22 @@ fn bad_tensor_parallel_layouts_are_named() {
 
 type B = Autodiff<CpuBackend>;
 
-/// Runs `body` on every rank of a thread world (each collective waits 30 s at most), then a
-/// barrier, so that no rank's autodiff cleanup meets another's backward; results in rank order.
+/// Runs `body` on every rank of a thread world (each collective waits 30 s at most, the world
+/// 5 minutes), then a barrier, so that no rank's autodiff cleanup meets another's backward;
+/// results in rank order.
 fn thread_world<T: Send + 'static>(
     ranks: usize,
-    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let options = CommOptions {
         timeout: Duration::from_secs(30),
         debug: true,
     };
-    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
-        .expect("a local world")
-        .into_iter()
-        .map(|group| {
-            let body = body.clone();
-            std::thread::spawn(move || {
-                let out = body(group.clone());
-                group.barrier().expect("barrier");
-                out
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank"))
-        .collect()
+    run_thread_ranks(ranks, options, Duration::from_secs(300), move |group| {
+        let out = body(group.clone());
+        group.barrier().expect("barrier");
+        out
+    })
 }
 
 /// Collectives of `group` so far: all-gathers, reduce-scatters, all-reduces.

@@ -1,48 +1,12 @@
-//! Helpers for wildfire's multi-rank tests: ranks as threads with a hard timeout, and the
-//! `wildfire` binary run as real processes with a hard timeout.
+//! Helpers for wildfire's multi-rank tests: the `wildfire` binary and launched test binaries run
+//! as real processes with a hard timeout. (Ranks as threads: `wildfire_backend::comm::run_thread_ranks`.)
 
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use wildfire_backend::comm::{CommOptions, ProcessGroup};
-
-/// Runs `f` on every rank of a local world of `n` threads and returns the results in rank order.
-/// Panics (failing the test, never hanging it) if the ranks are not all done within `limit`.
-pub fn run_ranks<R, F>(n: usize, options: CommOptions, limit: Duration, f: F) -> Vec<R>
-where
-    R: Send + 'static,
-    F: Fn(ProcessGroup) -> R + Send + Sync + 'static,
-{
-    let f = std::sync::Arc::new(f);
-    let (done, results) = mpsc::channel();
-    for group in ProcessGroup::local_world(n, options).expect("local world") {
-        let (f, done) = (f.clone(), done.clone());
-        std::thread::spawn(move || {
-            let rank = group.rank();
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(group)));
-            let _ = done.send((rank, result));
-        });
-    }
-    let deadline = Instant::now() + limit;
-    let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match results.recv_timeout(left) {
-            Ok((rank, Ok(r))) => out[rank] = Some(r),
-            Ok((rank, Err(_))) => panic!("rank {rank} panicked"),
-            Err(_) => {
-                let missing: Vec<usize> = (0..n).filter(|r| out[*r].is_none()).collect();
-                panic!("hard timeout: ranks {missing:?} still running after {limit:?}");
-            }
-        }
-    }
-    out.into_iter()
-        .map(|r| r.expect("every rank reported"))
-        .collect()
-}
+use wildfire_backend::comm::CommOptions;
 
 /// Options with a short deadline, for tests.
 pub fn options(timeout_secs: f64, debug: bool) -> CommOptions {
@@ -191,6 +155,7 @@ pub fn example_loop_run() -> wildfire_examples::mlp::LoopRun {
         batch: 16,
         steps: 10,
         lr: 1e-2,
+        checkpoints: None,
     }
 }
 

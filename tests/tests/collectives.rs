@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, selfcheck};
-use wildfire_tests::{options, run_ranks};
+use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, run_thread_ranks, selfcheck};
+use wildfire_tests::options;
 
 type B = Flex;
 const LIMIT: Duration = Duration::from_secs(180);
@@ -15,7 +15,7 @@ const LIMIT: Duration = Duration::from_secs(180);
 /// exactly 6 on ranks 0–3 and 22 on ranks 4–7, in every dtype.
 #[test]
 fn all_reduce_of_rank_stamped_ones_in_two_groups_of_four() {
-    let results = run_ranks(8, options(60.0, false), LIMIT, |world| {
+    let results = run_thread_ranks(8, options(60.0, false), LIMIT, |world| {
         let me = world.rank();
         let half: Vec<usize> = if me < 4 {
             (0..4).collect()
@@ -51,7 +51,7 @@ fn all_reduce_of_rank_stamped_ones_in_two_groups_of_four() {
 /// of 8 and on its halves, compared exactly with closed-form results.
 #[test]
 fn every_op_is_exact_on_eight_threads() {
-    let summaries = run_ranks(8, options(120.0, false), LIMIT, |world| {
+    let summaries = run_thread_ranks(8, options(120.0, false), LIMIT, |world| {
         selfcheck::run::<B>(&world, &Default::default(), true)
     });
     for (rank, summary) in summaries.into_iter().enumerate() {
@@ -67,7 +67,7 @@ fn every_op_is_exact_on_eight_threads() {
 #[test]
 fn every_op_is_exact_on_two_and_three_threads() {
     for n in [2, 3] {
-        let summaries = run_ranks(n, options(60.0, false), LIMIT, |world| {
+        let summaries = run_thread_ranks(n, options(60.0, false), LIMIT, |world| {
             selfcheck::run::<B>(&world, &Default::default(), false)
         });
         for summary in summaries {
@@ -102,7 +102,7 @@ fn all_reduce_is_bitwise_identical_across_ranks_and_equals_the_serial_fold() {
             })
             .collect()
     };
-    let results = run_ranks(n, options(60.0, false), LIMIT, move |world| {
+    let results = run_thread_ranks(n, options(60.0, false), LIMIT, move |world| {
         let x = HostTensor::new(input(world.rank()), vec![len]);
         world
             .all_reduce_host(x, ReduceOp::Sum)
@@ -124,7 +124,7 @@ fn all_reduce_is_bitwise_identical_across_ranks_and_equals_the_serial_fold() {
 
 #[test]
 fn uneven_reduce_scatter_gives_the_first_ranks_one_more_row() {
-    let shapes = run_ranks(4, options(30.0, false), LIMIT, |world| {
+    let shapes = run_thread_ranks(4, options(30.0, false), LIMIT, |world| {
         let x = HostTensor::new(vec![1i64; 10 * 2], vec![10, 2]);
         let part = world
             .reduce_scatter_host(x, 0, ReduceOp::Sum)
@@ -139,7 +139,7 @@ fn uneven_reduce_scatter_gives_the_first_ranks_one_more_row() {
 
 #[test]
 fn tagged_messages_are_matched_by_tag_not_arrival_order() {
-    let got = run_ranks(2, options(30.0, false), LIMIT, |world| {
+    let got = run_thread_ranks(2, options(30.0, false), LIMIT, |world| {
         let device = Default::default();
         if world.rank() == 0 {
             for tag in [7u64, 8] {
@@ -169,7 +169,7 @@ fn bad_input_is_an_error_naming_the_values() {
     let err = ProcessGroup::local_world(0, options(1.0, false)).expect_err("world 0");
     assert!(err.to_string().contains("world size 0"), "{err}");
 
-    let messages = run_ranks(2, options(5.0, false), LIMIT, |world| {
+    let messages = run_thread_ranks(2, options(5.0, false), LIMIT, |world| {
         let me = world.rank();
         let mut errors: Vec<String> = Vec::new();
         let x = || HostTensor::new(vec![1.0f32; 4], vec![4]);
@@ -260,7 +260,7 @@ fn bad_input_is_an_error_naming_the_values() {
 
 #[test]
 fn a_subgroup_only_takes_members() {
-    let errors = run_ranks(3, options(5.0, false), LIMIT, |world| {
+    let errors = run_thread_ranks(3, options(5.0, false), LIMIT, |world| {
         world.subgroup(&[0, 1]).err().map(|e| e.to_string())
     });
     assert!(errors[0].is_none() && errors[1].is_none());

@@ -198,10 +198,10 @@ fn two_thread_ranks_train_like_one_rank_under_every_stage() {
         expected.losses
     );
     for zero in [
-        ZeroStage::Zero0,
-        ZeroStage::One,
-        ZeroStage::Two,
-        ZeroStage::Three,
+        ZeroStage::Replicated,
+        ZeroStage::ShardOptimizer,
+        ZeroStage::ShardGradients,
+        ZeroStage::ShardParameters,
     ] {
         let dir = scratch(&format!("threads-{}", zero.level()));
         let ranks = threads(zero, &dir, |r| r);
@@ -213,7 +213,11 @@ fn two_thread_ranks_train_like_one_rank_under_every_stage() {
 
 #[test]
 fn offloaded_moments_train_bitwise_like_moments_on_the_device() {
-    for zero in [ZeroStage::Zero0, ZeroStage::Two, ZeroStage::Three] {
+    for zero in [
+        ZeroStage::Replicated,
+        ZeroStage::ShardGradients,
+        ZeroStage::ShardParameters,
+    ] {
         let level = zero.level();
         let on_device = threads(zero, &scratch(&format!("device-{level}")), |r| r);
         let offloaded = threads_with(
@@ -361,7 +365,11 @@ fn two_processes_train_like_one_rank_under_every_stage() {
     let serial_dir = scratch("serial-for-processes");
     let expected = serial(&serial_dir, 1);
     let expected_norms = logged_grad_norms(&serial_dir);
-    for zero in [ZeroStage::Zero0, ZeroStage::Two, ZeroStage::Three] {
+    for zero in [
+        ZeroStage::Replicated,
+        ZeroStage::ShardGradients,
+        ZeroStage::ShardParameters,
+    ] {
         let dir = scratch(&format!("processes-{}", zero.level()));
         let ranks = outcomes(Processes::new(zero, &dir).run("train"));
         let what = format!("{zero} on 2 processes");
@@ -385,17 +393,17 @@ fn resumed_under(zero: ZeroStage, saved: &Path, name: &str) -> Vec<Outcome> {
 #[test]
 fn zero_3_checkpoints_resume_bitwise_and_other_stages_resume_them_closely() {
     let saved = scratch("zero-3-saved");
-    Processes::new(ZeroStage::Three, &saved).run("first-epoch");
+    Processes::new(ZeroStage::ShardParameters, &saved).run("first-epoch");
     let straight = outcomes(
         Processes {
             epochs: 2,
-            ..Processes::new(ZeroStage::Three, &scratch("zero-3-straight"))
+            ..Processes::new(ZeroStage::ShardParameters, &scratch("zero-3-straight"))
         }
         .run("straight"),
     );
-    let resumed = resumed_under(ZeroStage::Three, &saved, "zero-3-under-zero-3");
+    let resumed = resumed_under(ZeroStage::ShardParameters, &saved, "zero-3-under-zero-3");
     assert_eq!(resumed[0].parameters, straight[0].parameters);
-    let ddp = resumed_under(ZeroStage::Zero0, &saved, "zero-3-under-ddp");
+    let ddp = resumed_under(ZeroStage::Replicated, &saved, "zero-3-under-ddp");
     assert_close(
         &ddp[0].parameters,
         &straight[0].parameters,
@@ -403,8 +411,8 @@ fn zero_3_checkpoints_resume_bitwise_and_other_stages_resume_them_closely() {
     );
     // And the other way: a DDP checkpoint (thread ranks save the same files) under ZeRO 3.
     let ddp_saved = scratch("ddp-saved-for-zero-3");
-    threads(ZeroStage::Zero0, &ddp_saved, |r| r);
-    let zero_3 = resumed_under(ZeroStage::Three, &ddp_saved, "ddp-under-zero-3");
+    threads(ZeroStage::Replicated, &ddp_saved, |r| r);
+    let zero_3 = resumed_under(ZeroStage::ShardParameters, &ddp_saved, "ddp-under-zero-3");
     assert_close(
         &zero_3[0].parameters,
         &straight[0].parameters,
@@ -427,8 +435,8 @@ fn zero_3_peak_step_memory_is_at_most_six_tenths_of_ddp() {
         let reports = run.run("memory");
         reports.iter().map(|r| r.step_peak_bytes.unwrap()).collect()
     };
-    let ddp = peaks(ZeroStage::Zero0);
-    let zero_3 = peaks(ZeroStage::Three);
+    let ddp = peaks(ZeroStage::Replicated);
+    let zero_3 = peaks(ZeroStage::ShardParameters);
     for rank in 0..RANKS {
         let ratio = zero_3[rank] as f64 / ddp[rank] as f64;
         println!(
@@ -451,7 +459,7 @@ fn zero_3_refuses_models_without_units_and_kept_gathers() {
     let adamw = || FusedAdamW::new(0.9, 0.999, 1e-8, 0.0);
     let device = Default::default();
     let model = Mlp::<B>::new(&device, Shape::default(), StepLog::default());
-    let one = Mesh::local(ParallelDims::data(1, ZeroStage::Three), options()).unwrap();
+    let one = Mesh::local(ParallelDims::data(1, ZeroStage::ShardParameters), options()).unwrap();
     let one = DataParallel::new(one[0].clone());
     let no_units = Mlp::<B>::new(
         &device,
@@ -508,10 +516,11 @@ fn replicas_drawn_apart_are_named_then_broadcast() {
 
 #[test]
 fn burn_train_checkpoints_resume_bitwise_under_their_stage_and_closely_under_another() {
-    let straight = threads(ZeroStage::One, &scratch("resume-straight"), |r| Run {
-        epochs: 2,
-        ..r
-    });
+    let straight = threads(
+        ZeroStage::ShardOptimizer,
+        &scratch("resume-straight"),
+        |r| Run { epochs: 2, ..r },
+    );
     let second_epoch = |zero: ZeroStage, saved: &Path| {
         threads(zero, saved, |r| Run {
             epochs: 2,
@@ -520,18 +529,26 @@ fn burn_train_checkpoints_resume_bitwise_under_their_stage_and_closely_under_ano
         })
     };
     let saved = scratch("resume-saved");
-    threads(ZeroStage::One, &saved, |r| r);
+    threads(ZeroStage::ShardOptimizer, &saved, |r| r);
     assert_eq!(
-        second_epoch(ZeroStage::One, &saved)[0].parameters,
+        second_epoch(ZeroStage::ShardOptimizer, &saved)[0].parameters,
         straight[0].parameters,
         "ZeRO 1 resumed under ZeRO 1"
     );
     let ddp_saved = scratch("resume-ddp-saved");
-    threads(ZeroStage::Zero0, &ddp_saved, |r| r);
+    threads(ZeroStage::Replicated, &ddp_saved, |r| r);
     for (zero, saved, what) in [
-        (ZeroStage::Two, &saved, "ZeRO 1 resumed under ZeRO 2"),
-        (ZeroStage::Zero0, &saved, "ZeRO 1 resumed under DDP"),
-        (ZeroStage::Two, &ddp_saved, "DDP resumed under ZeRO 2"),
+        (
+            ZeroStage::ShardGradients,
+            &saved,
+            "ZeRO 1 resumed under ZeRO 2",
+        ),
+        (ZeroStage::Replicated, &saved, "ZeRO 1 resumed under DDP"),
+        (
+            ZeroStage::ShardGradients,
+            &ddp_saved,
+            "DDP resumed under ZeRO 2",
+        ),
     ] {
         let other = second_epoch(zero, saved);
         assert_close(&other[0].parameters, &straight[0].parameters, what);

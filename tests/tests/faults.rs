@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use wildfire_backend::comm::auth::JOB_TOKEN_ENV;
 use wildfire_backend::comm::{
     CommError, CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp,
-    TRANSPORT_ENV,
+    TRANSPORT_ENV, run_thread_ranks,
 };
-use wildfire_tests::{free_port, launch, options, process_exists, run_ranks, run_with_limit};
+use wildfire_tests::{free_port, launch, options, process_exists, run_with_limit};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -22,7 +22,7 @@ fn ones() -> HostTensor<f32> {
 #[test]
 fn a_sleeping_rank_times_out_the_others_with_its_name() {
     let deadline = 1.0;
-    let results = run_ranks(3, options(deadline, false), LIMIT, |world| {
+    let results = run_thread_ranks(3, options(deadline, false), LIMIT, |world| {
         if world.rank() == 2 {
             std::thread::sleep(Duration::from_secs(4));
             return None;
@@ -60,7 +60,7 @@ fn a_sleeping_rank_times_out_the_others_with_its_name() {
 #[test]
 fn a_rank_that_dies_is_reported_lost_without_waiting_for_the_deadline() {
     for n in [2, 3] {
-        let results = run_ranks(n, options(60.0, false), LIMIT, |world| {
+        let results = run_thread_ranks(n, options(60.0, false), LIMIT, |world| {
             if world.rank() == 1 {
                 drop(world);
                 return None;
@@ -95,7 +95,7 @@ fn a_rank_that_dies_is_reported_lost_without_waiting_for_the_deadline() {
 /// Debug mode: ranks that issue different collectives fail naming the first rank that disagrees.
 #[test]
 fn debug_mode_names_the_rank_running_a_different_collective() {
-    let errors = run_ranks(4, options(10.0, true), LIMIT, |world| {
+    let errors = run_thread_ranks(4, options(10.0, true), LIMIT, |world| {
         if world.rank() == 2 {
             world.broadcast_host(ones(), 0).expect_err("mismatch")
         } else {
@@ -121,7 +121,7 @@ fn debug_mode_names_the_rank_running_a_different_collective() {
 /// Debug mode also catches a shape mismatch before any data moves, and a dtype mismatch.
 #[test]
 fn debug_mode_checks_dtype_and_shape() {
-    let errors = run_ranks(2, options(10.0, true), LIMIT, |world| {
+    let errors = run_thread_ranks(2, options(10.0, true), LIMIT, |world| {
         let shape_err = world
             .all_reduce_host(
                 HostTensor::new(vec![0.0f32; 3 + world.rank()], vec![3 + world.rank()]),

@@ -8,10 +8,10 @@ use std::time::Duration;
 use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::{nccl_device, selfcheck};
+use wildfire_backend::comm::{nccl_device, run_thread_ranks, selfcheck};
 use wildfire_backend::kernels::probe;
+use wildfire_tests::options;
 use wildfire_tests::training::mlp_training_bits;
-use wildfire_tests::{options, run_ranks};
 
 macro_rules! require_cuda {
     () => {
@@ -50,7 +50,7 @@ fn every_op_is_exact_on_cuda_tensors() {
         println!("skipped: NCCL between ranks needs 2+ GPUs (one per rank), {gpus} present");
     }
     for n in worlds {
-        let summaries = run_ranks(
+        let summaries = run_thread_ranks(
             n,
             options(120.0, false),
             Duration::from_secs(300),

@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::ProcessGroup;
+use wildfire_backend::comm::{ProcessGroup, run_thread_ranks};
 use wildfire_examples::mlp::parameters;
 use wildfire_examples::{pipeline, tensor_parallel};
 use wildfire_parallel::pp::ScheduleKind;
-use wildfire_tests::{example_loop_run as run, options, relative_difference, run_ranks, widened};
+use wildfire_parallel::{Mesh, ParallelDims};
+use wildfire_tests::{example_loop_run as run, options, relative_difference, widened};
 
 type B = Autodiff<Parallel<Flex>>;
 const LIMIT: Duration = Duration::from_secs(300);
@@ -30,8 +31,13 @@ fn the_example_at_pp_2_trains_as_the_serial_model() {
     let (serial_parameters, serial_losses) =
         (widened(&serial.parameters()), widened(&serial_losses));
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
-        let ranks = run_ranks(2, options(60.0, false), LIMIT, move |group| {
-            let (stage, losses) = pipeline::train::<B>(&run(), &[1], kind, 4, &group).unwrap();
+        let ranks = run_thread_ranks(2, options(60.0, false), LIMIT, move |world| {
+            let dims = ParallelDims {
+                pp: 2,
+                ..ParallelDims::default()
+            };
+            let mesh = Mesh::new(world, dims).unwrap();
+            let (stage, losses) = pipeline::train::<B>(&run(), &[1], kind, 4, &mesh).unwrap();
             (parameters(&stage), losses)
         });
         let losses = &ranks[1].1;

@@ -11,8 +11,10 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::Parallel;
 use wildfire_backend::collective::{self, Mapping};
-use wildfire_backend::comm::{CommError, OpKind, ProcessGroup, ReduceOp, split_ranges};
-use wildfire_tests::{options, run_ranks};
+use wildfire_backend::comm::{
+    CommError, OpKind, ProcessGroup, ReduceOp, run_thread_ranks, split_ranges,
+};
+use wildfire_tests::options;
 
 type B = Autodiff<Parallel<Flex>>;
 const LIMIT: Duration = Duration::from_secs(120);
@@ -273,14 +275,14 @@ fn assert_adjoint(per_rank: &[Vec<(f64, f64)>]) {
 #[test]
 fn forward_backward_exact_and_adjoint_at_two_and_four_ranks() {
     for n in [2, 4] {
-        let dots = run_ranks(n, options(60.0, false), LIMIT, |world| check_all(&world));
+        let dots = run_thread_ranks(n, options(60.0, false), LIMIT, |world| check_all(&world));
         assert_adjoint(&dots);
     }
 }
 
 #[test]
 fn forward_backward_exact_and_adjoint_in_subgroups() {
-    let dots = run_ranks(6, options(60.0, false), LIMIT, |world| {
+    let dots = run_thread_ranks(6, options(60.0, false), LIMIT, |world| {
         // Two groups of three: {0, 2, 4} and {1, 3, 5}, as interleaved TP groups would be.
         let members: Vec<usize> = (0..6).filter(|r| r % 2 == world.rank() % 2).collect();
         let group = world.subgroup(&members).expect("subgroup");
@@ -328,7 +330,7 @@ fn tensor_parallel_mlp_issues_one_all_reduce_each_way() {
     let x_data = x_all.into_data();
     let (w1_data, w2_data) = (w1.into_data(), w2.into_data());
 
-    let results = run_ranks(2, options(60.0, false), LIMIT, move |group| {
+    let results = run_thread_ranks(2, options(60.0, false), LIMIT, move |group| {
         let device = Default::default();
         let cols = split_ranges(d_ff, group.size())[group.rank()].clone();
         let w1 = Tensor::<B, 2>::from_data(w1_data.clone(), &device)

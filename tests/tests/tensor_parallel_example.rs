@@ -18,14 +18,14 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::{OpKind, ProcessGroup};
+use wildfire_backend::comm::{OpKind, ProcessGroup, run_thread_ranks};
 use wildfire_examples::mlp::{Mlp, Shape, StepLog};
 use wildfire_examples::tensor_parallel::{self, TP_PLAN, build, plan};
 use wildfire_parallel::tp::{PlanError, SequencePartial, TpPlan, TpStyle, apply_plan, check_plan};
 use wildfire_parallel::{Mesh, ParallelDims};
 use wildfire_tests::{
-    example_loop_run as run, launch, options, rank_reports, relative_difference, run_ranks,
-    run_with_limit, widened,
+    example_loop_run as run, launch, options, rank_reports, relative_difference, run_with_limit,
+    widened,
 };
 
 type B = Autodiff<Parallel<Flex>>;
@@ -78,7 +78,7 @@ struct RankReport {
 /// The first step on this rank of `group`: logits, gradients and the collectives of each part.
 fn first_step(sp: bool, group: &ProcessGroup) -> (Vec<f32>, Vec<f32>, [[u64; 3]; 3]) {
     let run = run();
-    let model = build::<B>(&run, sp, group).expect("the plan fits");
+    let (model, _) = build::<B>(&run, sp, group).expect("the plan fits");
     let batch = || run.batch::<B>(0);
     let logits = model.forward(batch().inputs).into_data().to_vec().unwrap();
     let partial = SequencePartial::of(&model, &plan(group, sp));
@@ -164,7 +164,7 @@ struct Serial {
 /// (`sp`; the unsplit model computes the same either way).
 fn serial(sp: bool) -> Serial {
     let (run, solo) = (run(), solo());
-    let model = build::<B>(&run, false, &solo).unwrap();
+    let (model, _) = build::<B>(&run, false, &solo).unwrap();
     let batch = run.batch::<B>(0);
     let logits = model
         .forward(batch.inputs.clone())
@@ -257,7 +257,7 @@ fn the_example_at_tp_2_trains_as_the_serial_model() {
 /// and by `apply_plan` alike.
 #[test]
 fn a_plan_that_does_not_fit_the_example_is_refused() {
-    let results = run_ranks(2, options(60.0, false), LIMIT, |group| {
+    let results = run_thread_ranks(2, options(60.0, false), LIMIT, |group| {
         // No collective runs here: the ranks take Burn's autodiff registry in turns.
         let _lock = wildfire_parallel::pp::graphs_lock();
         let model = || {

@@ -18,10 +18,12 @@
 mod algorithms;
 pub mod auth;
 mod buffer;
+mod device_op;
 mod element;
 mod env;
 mod error;
 mod group;
+mod host_values;
 mod init;
 mod layout;
 mod mailbox;
@@ -35,9 +37,9 @@ pub(crate) mod nccl_tensor;
 pub(crate) mod nccl_tensor {
     use burn::tensor::backend::Backend;
 
+    use super::device_op::DeviceOp;
     use super::error::CommError;
     use super::group::ProcessGroup;
-    use super::tensor::DeviceOp;
 
     #[allow(
         clippy::extra_unused_type_parameters,
@@ -54,9 +56,11 @@ pub(crate) mod nccl_tensor {
 pub mod selfcheck;
 mod store;
 mod tensor;
+mod thread_ranks;
 mod transport;
 
 pub use algorithms::HostTensor;
+pub(crate) use device_op::DeviceOp;
 pub use element::{Accumulator, CommElem, ReduceOp, WireDType};
 pub use env::{DEFAULT_MASTER_PORT, LaunchEnv, LaunchFlags, LaunchSource, expand_nodelist};
 pub use error::CommError;
@@ -66,6 +70,7 @@ pub use group::{
 pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
 pub use store::{MAX_STORE_CONNECTIONS, StoreClient, StoreServer};
-pub(crate) use tensor::{AllGather, AllReduce, Broadcast, DeviceOp, ReduceScatter, run_on_data};
+pub(crate) use tensor::{AllGather, AllReduce, Broadcast, ReduceScatter, run_on_data};
+pub use thread_ranks::run_thread_ranks;
 pub use transport::shm::{RING_BYTES_ENV, TRANSPORT_ENV};
 pub use transport::tcp::{ADVERTISE_ENV, BIND_ENV};

@@ -1,7 +1,7 @@
-//! An NCCL communicator on one CUDA device: creation (unique id through the rendezvous store, or
-//! a host broadcast when ranks are threads), the collectives on raw device pointers, each waited
-//! for within the group's deadline, and a one-rank probe. `comm::nccl_tensor` calls it with the
-//! device buffers of CUDA tensors.
+//! An NCCL communicator on one CUDA device: joined from plain arguments (a unique id and the
+//! member's rank, size and device; `comm::nccl_tensor` agrees on the id within a process
+//! group), the collectives on raw device pointers, each waited for within the group's deadline,
+//! and a one-rank probe. `comm::nccl_tensor` calls it with the device buffers of CUDA tensors.
 //!
 //! **Not yet run on a GPU**: no device was available to the sessions that wrote it. It compiles
 //! with `--features cuda`; `scripts/gpu-check.sh` runs it (the probe, the tensor collectives at
@@ -20,14 +20,9 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 
-use super::algorithms::HostTensor;
 use super::element::{ReduceOp, WireDType};
 use super::error::CommError;
-use super::group::ProcessGroup;
-use super::nccl::{
-    NcclLibrary, RawComm, RawStream, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op,
-    share_unique_id,
-};
+use super::nccl::{NcclLibrary, RawComm, RawStream, UniqueId, nccl_dtype, nccl_op};
 
 /// Why CUDA is not usable, checked without touching anything that would panic.
 pub fn check_cuda_driver() -> Result<(), CommError> {
@@ -39,6 +34,17 @@ pub fn check_cuda_driver() -> Result<(), CommError> {
     }
     cudarc::driver::result::init()
         .map_err(|e| CommError::Cuda(format!("the driver failed to initialise: {e:?}")))
+}
+
+/// Who joins a communicator: rank `rank` of `size`, on CUDA device `ordinal`, waiting at
+/// most `timeout` for any call; `group` names the group in errors.
+#[derive(Debug, Clone)]
+pub struct NcclMember {
+    pub group: String,
+    pub rank: usize,
+    pub size: usize,
+    pub ordinal: usize,
+    pub timeout: Duration,
 }
 
 /// One rank's NCCL communicator for a group, on one device.
@@ -54,32 +60,6 @@ pub struct NcclComm {
     timeout: Duration,
 }
 
-/// The group's shared NCCL unique id, created by group rank 0; returns after every rank has it.
-fn agree_unique_id(group: &ProcessGroup, library: &NcclLibrary) -> Result<UniqueId, CommError> {
-    let name = format!("group-{:016x}", group.inner.id);
-    let (rank, size) = (group.rank(), group.size());
-    if let Some(rendezvous) = &group.inner.rendezvous {
-        let store = &rendezvous.store;
-        let timeout = group.options().timeout;
-        let id = share_unique_id(store, &name, rank, timeout, || library.unique_id())?;
-        store.barrier(&format!("wildfire/nccl/{name}/init"), size)?;
-        return Ok(id);
-    }
-    let mine = if rank == 0 {
-        library.unique_id()?.to_bytes()
-    } else {
-        vec![0; UNIQUE_ID_BYTES]
-    };
-    let shared = group.broadcast_host(HostTensor::new(mine, vec![UNIQUE_ID_BYTES]), 0)?;
-    group.barrier()?;
-    UniqueId::from_bytes(&shared.data).ok_or_else(|| {
-        CommError::Nccl(format!(
-            "{name}: rank 0 broadcast {} bytes, not a {UNIQUE_ID_BYTES}-byte NCCL unique id",
-            shared.data.len()
-        ))
-    })
-}
-
 // SAFETY: the communicator is used by one thread at a time (collectives take `&mut self`), and
 // NCCL communicators may be moved between threads.
 unsafe impl Send for NcclComm {}
@@ -89,15 +69,20 @@ fn driver_error(what: &str, error: cudarc::driver::DriverError) -> CommError {
 }
 
 impl NcclComm {
-    /// Joins `group`'s communicator on CUDA device `ordinal`.
+    /// A new unique id for a communicator, made by the rank that shares it with the others.
+    pub fn unique_id() -> Result<UniqueId, CommError> {
+        NcclLibrary::get()?.unique_id()
+    }
+
+    /// Joins the communicator of `id` as `member`, on CUDA device `member.ordinal`.
     ///
-    /// Group rank 0 creates the unique id and shares it: through the rendezvous store in a
-    /// multi-process world, or by a host broadcast over the group when its ranks are threads of
-    /// one process. The ranks then meet (a store or group barrier, within the deadline), because
-    /// `ncclCommInitRank` has no deadline of its own and returns only when every rank called it.
-    pub fn for_group(group: &ProcessGroup, ordinal: usize) -> Result<Self, CommError> {
+    /// Every member must call this with the same id (made by one of them, [`Self::unique_id`])
+    /// once all of them can: `ncclCommInitRank` has no deadline of its own and returns only
+    /// when every rank called it, so callers meet first (a store or group barrier).
+    pub fn join(member: NcclMember, id: UniqueId) -> Result<Self, CommError> {
         check_cuda_driver()?;
         let library = NcclLibrary::get()?;
+        let ordinal = member.ordinal;
         let context = CudaContext::new(ordinal)
             .map_err(|e| driver_error(&format!("opening CUDA device {ordinal}"), e))?;
         context
@@ -106,22 +91,20 @@ impl NcclComm {
         let stream = context
             .new_stream()
             .map_err(|e| driver_error("creating the NCCL stream", e))?;
-        let (rank, size) = (group.rank(), group.size());
-        let id = agree_unique_id(group, library)?;
         let mut comm: RawComm = std::ptr::null_mut();
+        let (rank, size) = (member.rank as c_int, member.size as c_int);
         // SAFETY: comm receives the new communicator; id is the group's shared unique id.
-        let status =
-            unsafe { (library.comm_init_rank)(&mut comm, size as c_int, id, rank as c_int) };
+        let status = unsafe { (library.comm_init_rank)(&mut comm, size, id, rank) };
         library.check("ncclCommInitRank", status)?;
         Ok(Self {
             library,
             comm,
             context,
             stream,
-            group: group.describe(),
+            group: member.group,
             ordinal,
-            rank,
-            timeout: group.options().timeout,
+            rank: member.rank,
+            timeout: member.timeout,
         })
     }
 
@@ -334,8 +317,14 @@ pub fn cuda_device_count() -> Result<usize, CommError> {
 /// library, creates the communicator, runs every collective this module has on device buffers,
 /// and compares the results. Returns a one-line description of what ran.
 pub fn probe_one_rank(ordinal: usize) -> Result<String, CommError> {
-    let world = ProcessGroup::local_world(1, Default::default())?.remove(0);
-    let mut comm = NcclComm::for_group(&world, ordinal)?;
+    let member = NcclMember {
+        group: "the one-rank probe".to_string(),
+        rank: 0,
+        size: 1,
+        ordinal,
+        timeout: Duration::from_secs(300),
+    };
+    let mut comm = NcclComm::join(member, NcclComm::unique_id()?)?;
     let stream = comm.stream.clone();
     let failed = |what: &'static str| move |e| driver_error(what, e);
     let input: Vec<f32> = vec![1.0, -2.0, 3.5, 4.0];

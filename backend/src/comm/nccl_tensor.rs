@@ -48,16 +48,16 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::future::block_on;
 use cubecl::server::Handle;
 
-use super::algorithms::peers_of;
+use super::algorithms::{HostTensor, peers_of};
 use super::buffer::Payload;
+use super::device_op::DeviceOp;
 use super::element::{ReduceOp, WireDType};
 use super::error::CommError;
 use super::group::ProcessGroup;
 use super::layout::split_sizes;
 use super::mailbox::OpKind;
-use super::nccl::{nccl_dtype, nccl_op};
-use super::nccl_device::NcclComm;
-use super::tensor::DeviceOp;
+use super::nccl::{UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id};
+use super::nccl_device::{NcclComm, NcclMember};
 use crate::typecast::{cast, same};
 
 /// burn-cuda's tensor primitive (float, int and bool alike).
@@ -109,6 +109,48 @@ fn wire_dtype(op: OpKind, tensor: &CudaTensor) -> Result<WireDType, CommError> {
     })
 }
 
+/// The group's shared NCCL unique id, created by group rank 0; returns after every rank has it.
+fn agree_unique_id(group: &ProcessGroup) -> Result<UniqueId, CommError> {
+    let name = format!("group-{:016x}", group.inner.id);
+    let (rank, size) = (group.rank(), group.size());
+    if let Some(rendezvous) = &group.inner.rendezvous {
+        let store = &rendezvous.store;
+        let timeout = group.options().timeout;
+        let id = share_unique_id(store, &name, rank, timeout, NcclComm::unique_id)?;
+        store.barrier(&format!("wildfire/nccl/{name}/init"), size)?;
+        return Ok(id);
+    }
+    let mine = if rank == 0 {
+        NcclComm::unique_id()?.to_bytes()
+    } else {
+        vec![0; UNIQUE_ID_BYTES]
+    };
+    let shared = group.broadcast_host(HostTensor::new(mine, vec![UNIQUE_ID_BYTES]), 0)?;
+    group.barrier()?;
+    UniqueId::from_bytes(&shared.data).ok_or_else(|| {
+        CommError::Nccl(format!(
+            "{name}: rank 0 broadcast {} bytes, not a {UNIQUE_ID_BYTES}-byte NCCL unique id",
+            shared.data.len()
+        ))
+    })
+}
+
+/// Joins `group`'s communicator on CUDA device `ordinal`: group rank 0 makes the unique id and
+/// shares it, through the rendezvous store in a multi-process world or by a host broadcast over
+/// the group when its ranks are threads of one process; the ranks meet (within the deadline)
+/// before joining, since joining waits for every rank without a deadline of its own.
+fn join_group(group: &ProcessGroup, ordinal: usize) -> Result<NcclComm, CommError> {
+    let id = agree_unique_id(group)?;
+    let member = NcclMember {
+        group: group.describe(),
+        rank: group.rank(),
+        size: group.size(),
+        ordinal,
+        timeout: group.options().timeout,
+    };
+    NcclComm::join(member, id)
+}
+
 /// Runs `f` with this group's NCCL communicator on `device`, creating it on first use.
 fn with_comm<T>(
     group: &ProcessGroup,
@@ -116,8 +158,8 @@ fn with_comm<T>(
     f: impl FnOnce(&mut NcclComm) -> Result<T, CommError>,
 ) -> Result<T, CommError> {
     let mut slot = group.inner.nccl.lock().unwrap_or_else(|e| e.into_inner());
-    let created = slot
-        .get_or_insert_with(|| NcclComm::for_group(group, device.index).map_err(|e| e.to_string()));
+    let created =
+        slot.get_or_insert_with(|| join_group(group, device.index).map_err(|e| e.to_string()));
     let comm = created.as_mut().map_err(|first| {
         CommError::Nccl(format!(
             "{} has no NCCL communicator: creating it failed ({first})",

@@ -8,21 +8,12 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Element, Tensor, TensorData};
 
 use super::algorithms::{HostTensor, message_into_host};
+use super::device_op::DeviceOp;
 use super::element::{CommElem, ReduceOp, WireDType, with_elem_type};
 use super::error::CommError;
 use super::group::ProcessGroup;
 use super::mailbox::OpKind;
 use super::nccl_tensor;
-
-/// A collective that also runs on device buffers (NCCL, feature `cuda`).
-#[derive(Debug, Clone, Copy)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) enum DeviceOp {
-    AllReduce(ReduceOp),
-    AllGather(usize),
-    ReduceScatter(usize, ReduceOp),
-    Broadcast(usize),
-}
 
 /// A host collective, run for whichever element type the tensor holds.
 pub(crate) trait HostOp {

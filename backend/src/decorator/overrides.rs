@@ -9,13 +9,13 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 
 use super::Parallel;
-use crate::kernels::matmul::{matmul_precision, policy_matmul};
+use crate::kernels::matmul::{self, matmul_precision, policy_matmul};
 use crate::kernels::route::on_flex;
-use crate::kernels::{self, flex, flex_matmul};
+use crate::kernels::{self, add};
 
 /// Float matmul under the process-wide [`MatmulPrecision`](crate::kernels::matmul::MatmulPrecision)
 /// policy: the inner backend's own when it is off (on Flex in f32, the same products without
-/// Flex's copy of each output: [`flex_matmul`]); otherwise inputs rounded to bf16 or f16,
+/// Flex's copy of each output: [`matmul::flex`]); otherwise inputs rounded to bf16 or f16,
 /// products accumulated in f32, the result in `lhs`'s type (the mixed-precision kernel on
 /// CubeCL backends, its reference elsewhere). Under `Autodiff<Parallel<B>>` the
 /// backward's matmuls come here too.
@@ -24,7 +24,7 @@ pub(super) fn float_matmul<B: Backend>(
     rhs: FloatTensor<Parallel<B>>,
 ) -> FloatTensor<Parallel<B>> {
     match matmul_precision().compute_dtype() {
-        None => match on_flex([lhs, rhs], flex_matmul::matmul) {
+        None => match on_flex([lhs, rhs], matmul::flex::matmul) {
             Ok([product]) => product,
             Err([lhs, rhs]) => B::float_matmul(lhs, rhs),
         },
@@ -43,12 +43,12 @@ pub(super) fn float_matmul<B: Backend>(
 /// `lhs + rhs`: on Flex, contiguous f32 tensors of one shape (at least 128 Ki elements, with
 /// more than one thread: the residual stream's adds and the backward's gradient sums), or one
 /// repeated along leading dims (a position embedding, a bias) are added on all of rayon's
-/// threads ([`flex::add`]), where Flex adds on one; the same sums.
+/// threads ([`add::add`]), where Flex adds on one; the same sums.
 pub(super) fn float_add<B: Backend>(
     lhs: FloatTensor<Parallel<B>>,
     rhs: FloatTensor<Parallel<B>>,
 ) -> FloatTensor<Parallel<B>> {
-    match on_flex([lhs, rhs], flex::add) {
+    match on_flex([lhs, rhs], add::add) {
         Ok([sum]) => sum,
         Err([lhs, rhs]) => B::float_add(lhs, rhs),
     }

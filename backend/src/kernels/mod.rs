@@ -1,29 +1,31 @@
-//! Fused kernels and their reference implementations (see DESIGN.md: `backend/src/kernels/`).
+//! Fused kernels and their reference implementations (see DESIGN.md: `backend/src/kernels/`),
+//! one module per op: its reference in Burn tensor ops, its routing and autodiff op in the
+//! module itself, its CubeCL kernels in `cube` and its native loops on Flex in `flex`.
 //!
 //! - [`adamw`]: AdamW's step as one pass, bit for bit Burn's (native on Flex).
-//! - [`attention`]: FlashAttention-2's forward and backward, as a reference in Burn tensor ops,
-//!   and the autodiff op that runs them.
-//! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (kernels and reference), and its
+//! - [`attention`]: FlashAttention-2's forward and backward: the reference, the autodiff op
+//!   that runs them, the CubeCL kernels ([`attention::cube`]) and Flex's tiled loops
+//!   ([`attention::flex`]).
+//! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (reference, CubeCL kernels,
+//!   Flex's loops), and its autodiff op.
+//! - [`layer_norm`]: LayerNorm as one op each way (reference and Flex's loops), and its
 //!   autodiff op.
-//! - [`layer_norm`]: LayerNorm as one op each way (Flex's loops and a reference), and its
-//!   autodiff op.
-//! - [`flash`]: the same as CubeCL kernels, generic over the runtime.
-//! - [`flex`]: fused attention, bias + GELU and LayerNorm as native loops on Flex (Burn's CPU
-//!   backend), and its parallel add.
-//! - [`flex_matmul`]: Flex's f32 matmul with its output written once (Flex copies each one).
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
-//!   epilogue), kernel and reference, and the matmul precision policy of `Parallel<B>`.
+//!   epilogue), kernel and reference, the matmul precision policy of `Parallel<B>`, and Flex's
+//!   f32 matmul with its output written once ([`matmul::flex`]; Flex copies each one).
+//! - [`add`]: Flex's add on rayon's threads where Flex's own is slow.
+//! - [`flex`]: what the ops' Flex loops share (f32 views, single-threaded products, parallel
+//!   writes, a vectorised `exp`).
 //! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
 //!   out; the reference otherwise).
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 //! - [`simd`]: which SIMD (AVX-512 or AVX2) the CPU kernels take on this machine.
 
 pub mod adamw;
+pub mod add;
 pub mod attention;
 pub mod bias_gelu;
-pub mod flash;
 pub mod flex;
-pub mod flex_matmul;
 pub mod layer_norm;
 pub mod matmul;
 pub mod probe;

@@ -14,6 +14,10 @@
 //!     --sequence-parallel
 //! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --pp 2 \
 //!     --schedule 1f1b --microbatches 4
+//! target/release/wildfire launch --nproc-per-node 2 -- target/release/mlp-classifier --tp 2 \
+//!     --epochs 1 --checkpoint-dir runs/mlp-ckpt --checkpoint-every 32
+//! target/release/wildfire launch --nproc-per-node 4 -- target/release/mlp-classifier --tp 2 \
+//!     --pp 2 --checkpoint-dir runs/mlp-ckpt --checkpoint-every 32   # resumes at step 64
 //! ```
 //!
 //! Data-parallel: every rank starts from rank 0's parameters (ranks seed differently here to
@@ -21,7 +25,10 @@
 //! `--dir`. Tensor-parallel (`--tp`, every process one rank of it): the model is split by its
 //! plan (`wildfire_examples::tensor_parallel`), every rank trains on every batch, and rank 0
 //! prints the losses. Pipeline (`--pp`): each process holds one stage of the model cut after
-//! its first hidden block (`wildfire_examples::pipeline`), and the last stage prints the losses.
+//! its first hidden block (`wildfire_examples::pipeline`), and the last stage prints the losses;
+//! `--tp` and `--pp` together split each stage by the plan. Under `--tp` or `--pp`,
+//! `--checkpoint-dir` keeps checkpoints (every `--checkpoint-every` steps) and a run resumes from
+//! the newest one there, at any `--tp` and `--pp`.
 
 use std::path::PathBuf;
 
@@ -31,6 +38,7 @@ use burn::backend::{Autodiff, Flex};
 use clap::Parser;
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{LaunchEnv, LaunchFlags};
+use wildfire_examples::checkpoints::Checkpoints;
 use wildfire_examples::mlp::parameters;
 use wildfire_examples::mlp::{LoopRun, Outcome, Run, Shape, StepLog, train};
 use wildfire_examples::{pipeline, tensor_parallel};
@@ -84,6 +92,12 @@ struct Args {
     /// Under `--pp`: micro-batches per batch (they divide `--batch`).
     #[arg(long, default_value_t = 4)]
     microbatches: usize,
+    /// Under `--tp` or `--pp`: where checkpoints are kept; a run resumes from the newest one.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Under `--checkpoint-dir`: a checkpoint after every this many steps (0: none).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: usize,
     /// Writes this rank's losses and final parameters as JSON to `FILE.rank-R.json`.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
@@ -94,11 +108,11 @@ fn main() -> anyhow::Result<()> {
     let zero = ZeroStage::from_level(args.zero)
         .with_context(|| format!("--zero {} is not a ZeRO stage (0–3)", args.zero))?;
     let env = LaunchEnv::detect(&LaunchFlags::default())?;
-    if args.tp > 1 {
-        return train_tensor_parallel(&args, env.world_size);
-    }
     if args.pp > 1 {
         return train_pipeline(&args, env.world_size);
+    }
+    if args.tp > 1 || args.checkpoint_dir.is_some() {
+        return train_tensor_parallel(&args, env.world_size);
     }
     let strategy = DataParallel::from_env(ParallelDims::data(env.world_size, zero))?
         .with_offload(args.offload_optimizer);
@@ -138,20 +152,22 @@ fn loop_run(args: &Args) -> LoopRun {
         batch: args.batch,
         steps: args.points / args.batch * args.epochs,
         lr: args.lr,
+        checkpoints: (args.checkpoint_dir.clone()).map(|dir| Checkpoints {
+            dir,
+            every: args.checkpoint_every,
+        }),
     }
 }
 
-/// The mesh of `dims` over every process, which must be `ranks` of them.
-fn mesh_of(
-    dims: ParallelDims,
-    ranks: usize,
-    flag: &str,
-    world_size: usize,
-) -> anyhow::Result<Mesh> {
+/// The mesh of `dims` over every process, which must be `tp × pp` of them.
+fn mesh_of(dims: ParallelDims, world_size: usize) -> anyhow::Result<Mesh> {
+    let ranks = dims.tp * dims.pp;
     anyhow::ensure!(
         world_size == ranks,
-        "{flag} {ranks} needs {ranks} processes (wildfire launch --nproc-per-node {ranks}), not \
-         {world_size}"
+        "--tp {} --pp {} needs {ranks} processes (wildfire launch --nproc-per-node {ranks}), not \
+         {world_size}",
+        dims.tp,
+        dims.pp
     );
     Ok(Mesh::from_env(dims)?)
 }
@@ -159,8 +175,10 @@ fn mesh_of(
 /// Prints the losses (every tenth and the last), and writes `--report` for `rank`.
 fn finish(args: &Args, rank: usize, print: bool, outcome: Outcome) -> anyhow::Result<()> {
     if print {
-        for (step, loss) in outcome.losses.iter().enumerate().step_by(10) {
-            println!("step {step:>5}  loss {loss:.4}");
+        // A resumed run took the steps after its checkpoint's.
+        let first = loop_run(args).steps - outcome.losses.len();
+        for (taken, loss) in outcome.losses.iter().enumerate().step_by(10) {
+            println!("step {:>5}  loss {loss:.4}", first + taken);
         }
         let last = outcome.losses.last().copied().unwrap_or(f32::NAN);
         println!("final loss {last:.4}");
@@ -180,7 +198,7 @@ fn train_tensor_parallel(args: &Args, world_size: usize) -> anyhow::Result<()> {
         sequence_parallel: args.sequence_parallel,
         ..ParallelDims::default()
     };
-    let mesh = mesh_of(dims, args.tp, "--tp", world_size)?;
+    let mesh = mesh_of(dims, world_size)?;
     let group = mesh.tensor();
     let trained = tensor_parallel::train::<Autodiff<Parallel<Flex>>>;
     let (model, losses) = trained(&loop_run(args), args.sequence_parallel, group)?;
@@ -193,13 +211,19 @@ fn train_tensor_parallel(args: &Args, world_size: usize) -> anyhow::Result<()> {
     )
 }
 
-/// `--pp`: one stage per process, the model cut after each of its first `pp - 1` blocks.
+/// `--pp`: one stage per pipeline rank, the model cut after each of its first `pp - 1` blocks
+/// (and each stage split by the plan under `--tp`).
 fn train_pipeline(args: &Args, world_size: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.sequence_parallel,
+        "--sequence-parallel is for --tp alone: the pipeline's stages hand over whole points"
+    );
     let dims = ParallelDims {
         pp: args.pp,
+        tp: args.tp,
         ..ParallelDims::default()
     };
-    let mesh = mesh_of(dims, args.pp, "--pp", world_size)?;
+    let mesh = mesh_of(dims, world_size)?;
     let group = mesh.pipeline();
     let cuts: Vec<usize> = (1..args.pp).collect();
     let trained = pipeline::train::<Autodiff<Parallel<Flex>>>;
@@ -208,12 +232,12 @@ fn train_pipeline(args: &Args, world_size: usize) -> anyhow::Result<()> {
         &cuts,
         args.schedule,
         args.microbatches,
-        group,
+        &mesh,
     )?;
     let outcome = Outcome {
         losses: losses.into_iter().map(|loss| loss as f32).collect(),
         parameters: parameters(&stage),
     };
-    let last = group.rank() + 1 == group.size();
-    finish(args, group.rank(), last, outcome)
+    let last = group.rank() + 1 == group.size() && mesh.tensor().rank() == 0;
+    finish(args, mesh.world().rank(), last, outcome)
 }

@@ -2,7 +2,9 @@
 //! boxes of the whole tensors it holds, named by parameter path ([`ModuleLayout::slices`]), and
 //! a module split by any plan loads its parts from the whole tensors the boxes join into
 //! ([`super::slices::join_slices`], then [`ModuleLayout::load`]): a checkpoint saved at one
-//! tensor-parallel degree loads at another.
+//! tensor-parallel degree loads at another. A pipeline stage names its parameters by their
+//! paths in the whole module ([`ModuleLayout::at`]), so a checkpoint saved by stages loads into
+//! any other cut, or into the whole module.
 
 use std::collections::BTreeMap;
 
@@ -12,15 +14,18 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::slices::part_slices;
 use super::store::{CheckpointError, TensorSlice, invalid_slice};
-use crate::paths::{ParamFn, PathStack, for_each_param, param_shapes};
+use crate::paths::{ParamFn, PathStack, for_each_param, param_shapes, param_shapes_at};
 use crate::tp::TpPlan;
 
-/// Where this rank's parameters sit in the whole module: the plan that splits it on this rank
-/// and every parameter's whole shape, by path (taken from the module before the plan split it).
+/// Where this rank's parameters sit in the whole module: the plan that splits it on this rank,
+/// every parameter's whole shape, by path (taken from the module before the plan split it), and
+/// how the module this rank holds names its parameters (the whole module's paths, or a pipeline
+/// stage's numbered from its first block).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModuleLayout {
     pub plan: TpPlan,
     pub shapes: BTreeMap<String, Vec<usize>>,
+    pub paths: PathStack,
 }
 
 impl ModuleLayout {
@@ -29,7 +34,14 @@ impl ModuleLayout {
         Self {
             plan,
             shapes: param_shapes(whole).into_iter().collect(),
+            paths: PathStack::default(),
         }
+    }
+
+    /// This layout for a part of the whole module whose parameters `paths` names by their
+    /// paths in the whole (a pipeline stage: [`PathStack::numbered_from`]).
+    pub fn at(self, paths: PathStack) -> Self {
+        Self { paths, ..self }
     }
 
     /// The whole shape of parameter `path`.
@@ -87,7 +99,7 @@ impl ModuleLayout {
             layout: self,
             slices: Ok(Vec::new()),
         };
-        for_each_param(module, PathStack::default(), &mut collect);
+        for_each_param(module, self.paths.clone(), &mut collect);
         collect.slices
     }
 
@@ -129,7 +141,7 @@ impl ModuleLayout {
         let mut load = Load {
             plan: &self.plan,
             tensors,
-            path: PathStack::default(),
+            path: self.paths.clone(),
         };
         Ok(module.map(&mut load))
     }
@@ -141,7 +153,7 @@ impl ModuleLayout {
         module: &M,
         tensors: &BTreeMap<String, TensorData>,
     ) -> Result<(), CheckpointError> {
-        for (path, shape) in param_shapes(module) {
+        for (path, shape) in param_shapes_at(module, self.paths.clone()) {
             let Some(data) = tensors.get(&path) else {
                 let reason = "is missing from the checkpoint".to_string();
                 return Err(invalid_slice(&path, reason));
@@ -151,7 +163,7 @@ impl ModuleLayout {
                 let reason = format!(
                     "its checkpointed whole {:?} gives this rank a part of {part:?}, but the \
                      parameter is {shape:?}",
-                    data.shape
+                    data.shape.to_vec()
                 );
                 return Err(invalid_slice(&path, reason));
             }

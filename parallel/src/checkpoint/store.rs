@@ -91,6 +91,17 @@ pub enum CheckpointError {
         /// What is inconsistent.
         reason: String,
     },
+    /// One rank's part of a checkpoint written by many failed.
+    #[error("checkpoint write failed on {who}: {reason}")]
+    Rank {
+        /// The rank (`rank 3`).
+        who: String,
+        /// What failed there.
+        reason: String,
+    },
+    /// The ranks of a checkpoint written by many could not exchange their outcomes.
+    #[error("checkpoint ranks could not communicate: {0}")]
+    Comm(#[from] wildfire_backend::comm::CommError),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CheckpointError + '_ {

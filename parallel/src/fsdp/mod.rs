@@ -62,19 +62,28 @@ pub use units::{Placeholders, ShardedStep, run_sharded_forward, run_sharded_step
 /// What is sharded over the data-parallel ranks (see the module table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub enum ZeroStage {
+    /// ZeRO 0 (DDP): every rank holds everything.
     #[default]
-    Zero0,
-    One,
-    Two,
-    Three,
+    Replicated,
+    /// ZeRO 1: each rank holds its shard of the optimizer state.
+    ShardOptimizer,
+    /// ZeRO 2: and of the gradients (reduce-scattered, not all-reduced).
+    ShardGradients,
+    /// ZeRO 3: and of the parameters (each unit gathered when it computes).
+    ShardParameters,
 }
 
 impl ZeroStage {
     /// The stage numbered `level` (0–3).
     pub fn from_level(level: u8) -> Option<Self> {
-        [Self::Zero0, Self::One, Self::Two, Self::Three]
-            .get(usize::from(level))
-            .copied()
+        [
+            Self::Replicated,
+            Self::ShardOptimizer,
+            Self::ShardGradients,
+            Self::ShardParameters,
+        ]
+        .get(usize::from(level))
+        .copied()
     }
 
     pub fn level(self) -> u8 {
@@ -158,7 +167,7 @@ impl<B: Backend> ZeroOptimizer<B> {
             .iter()
             .map(|bucket| Shard {
                 range: match stage {
-                    ZeroStage::Zero0 => 0..bucket.numel,
+                    ZeroStage::Replicated => 0..bucket.numel,
                     _ => split_ranges(bucket.numel, group.size())[group.rank()].clone(),
                 },
                 master: None,
@@ -202,7 +211,7 @@ impl<B: Backend> ZeroOptimizer<B> {
 
     /// Whether this optimizer keeps its own copy of the owned parameters.
     fn keeps_master(&self) -> bool {
-        self.stage == ZeroStage::Three || self.offload
+        self.stage == ZeroStage::ShardParameters || self.offload
     }
 
     /// Takes the owned parts of `params` (flat, by id) as the master copy where this stage
@@ -257,11 +266,13 @@ impl<B: Backend> ZeroOptimizer<B> {
             return Ok(local);
         }
         match self.stage {
-            ZeroStage::Zero0 | ZeroStage::One => Ok(owned_part(
+            ZeroStage::Replicated | ZeroStage::ShardOptimizer => Ok(owned_part(
                 &self.group.all_reduce(local, ReduceOp::Sum)?,
                 &self.shards[index].range,
             )),
-            ZeroStage::Two | ZeroStage::Three => self.group.reduce_scatter(local, 0, ReduceOp::Sum),
+            ZeroStage::ShardGradients | ZeroStage::ShardParameters => {
+                self.group.reduce_scatter(local, 0, ReduceOp::Sum)
+            }
         }
     }
 
@@ -344,11 +355,11 @@ impl<B: Backend> ZeroOptimizer<B> {
                 shard.master = Some(owned);
             }
             match self.stage {
-                ZeroStage::Zero0 => updated.extend(dp::unflatten(bucket, on_device)),
-                ZeroStage::One | ZeroStage::Two => {
+                ZeroStage::Replicated => updated.extend(dp::unflatten(bucket, on_device)),
+                ZeroStage::ShardOptimizer | ZeroStage::ShardGradients => {
                     updated.extend(dp::unflatten(bucket, self.all_gather(on_device)?));
                 }
-                ZeroStage::Three => {}
+                ZeroStage::ShardParameters => {}
             }
         }
         Ok(updated)

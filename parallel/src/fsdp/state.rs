@@ -128,22 +128,22 @@ impl<B: Backend> ZeroOptimizer<B> {
         let total: usize = self.layout.numel();
         let owned: usize = self.shards.iter().map(|s| s.range.len()).sum();
         let moments = match self.stage {
-            ZeroStage::Zero0 => 2 * total * F32,
+            ZeroStage::Replicated => 2 * total * F32,
             _ => 2 * owned * F32,
         };
         let params = match self.stage {
-            ZeroStage::Three => owned * F32,
+            ZeroStage::ShardParameters => owned * F32,
             _ => total * F32,
         };
         let (optimizer_device, optimizer_host, params) = match (self.offload, self.stage) {
             (false, _) => (moments, 0, params),
             // The host master is the only copy of a stage-3 rank's parameters.
-            (true, ZeroStage::Three) => (0, moments + owned * F32, 0),
+            (true, ZeroStage::ShardParameters) => (0, moments + owned * F32, 0),
             (true, _) => (0, moments + owned * F32, params),
         };
         let grads = match self.stage {
-            ZeroStage::Zero0 | ZeroStage::One => total * F32,
-            ZeroStage::Two | ZeroStage::Three => owned * F32,
+            ZeroStage::Replicated | ZeroStage::ShardOptimizer => total * F32,
+            ZeroStage::ShardGradients | ZeroStage::ShardParameters => owned * F32,
         };
         StateBytes {
             params,
@@ -172,10 +172,12 @@ impl<B: Backend> ZeroOptimizer<B> {
                 None => (None, None, 0),
             };
             let master = match (&shard.master, self.stage) {
-                (Some(Flat::Device(t)), ZeroStage::Three) => {
+                (Some(Flat::Device(t)), ZeroStage::ShardParameters) => {
                     Some(f32_values(t.clone().into_data())?)
                 }
-                (Some(Flat::Host(t)), ZeroStage::Three) => Some(f32_values(t.clone().into_data())?),
+                (Some(Flat::Host(t)), ZeroStage::ShardParameters) => {
+                    Some(f32_values(t.clone().into_data())?)
+                }
                 _ => None,
             };
             for slot in &bucket.slots {

@@ -216,7 +216,7 @@ where
     A: AutodiffBackend,
     C: PipelineChunk<A> + AutodiffModule<A>,
 {
-    if zero.stage() != ZeroStage::Three || units.is_empty() {
+    if zero.stage() != ZeroStage::ShardParameters || units.is_empty() {
         return Err(ZeroError::State(format!(
             "run_sharded_step needs ZeRO stage 3 and at least one unit, not {} with {} units",
             zero.stage(),

@@ -4,95 +4,17 @@
 //! parameter's path and shape, and every [`TensorParallel`] slot's path and layer; the plan is
 //! checked against them before anything is split. The second walk (a mapper) cuts each parameter the plan splits to this rank's part,
 //! as a copy with the same id, and fills in every slot. Slots hold no parameters, so they
-//! learn where they are from the walk, kept for its duration in a thread-local (a mapper's type
-//! is the caller's; Burn gives a module no other way to see it).
+//! learn where they are from the walk ([`super::walk`]).
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use wildfire_backend::comm::{ProcessGroup, split_ranges};
+use wildfire_backend::comm::ProcessGroup;
 
 use super::plan::{PlanError, TpPlan, TpStyle};
-use super::slot::{Applied, Layer, TensorParallel};
-use crate::paths::PathStack;
-
-/// The walk in progress on this thread.
-struct Walk {
-    path: PathStack,
-    /// Survey: the slots met, by the path of the module holding them.
-    slots: Vec<(String, Layer)>,
-    /// Apply: the plan, the group and every parameter's whole shape (from the survey).
-    apply: Option<(TpPlan, ProcessGroup, HashMap<String, Vec<usize>>)>,
-}
-
-thread_local! {
-    static WALK: RefCell<Option<Walk>> = const { RefCell::new(None) };
-}
-
-/// Ends the walk when dropped, also when a walk unwinds.
-struct WalkGuard;
-
-impl WalkGuard {
-    fn start(apply: Option<(TpPlan, ProcessGroup, HashMap<String, Vec<usize>>)>) -> Self {
-        WALK.with(|walk| {
-            *walk.borrow_mut() = Some(Walk {
-                path: PathStack::default(),
-                slots: Vec::new(),
-                apply,
-            })
-        });
-        Self
-    }
-
-    fn slots(&self) -> Vec<(String, Layer)> {
-        with_walk(|walk| std::mem::take(&mut walk.slots)).unwrap_or_default()
-    }
-}
-
-impl Drop for WalkGuard {
-    fn drop(&mut self) {
-        WALK.with(|walk| walk.borrow_mut().take());
-    }
-}
-
-fn with_walk<T>(f: impl FnOnce(&mut Walk) -> T) -> Option<T> {
-    WALK.with(|walk| walk.borrow_mut().as_mut().map(f))
-}
-
-/// A slot met by the survey: recorded with the path of the module holding it.
-pub(super) fn survey_slot(layer: Layer) {
-    with_walk(|walk| {
-        if walk.apply.is_none() {
-            walk.slots.push((walk.path.parent(), layer));
-        }
-    });
-}
-
-/// A slot met while a plan is applied: filled in with its layer's style under the plan.
-pub(super) fn fill_slot<B: Backend>(slot: TensorParallel<B>) -> TensorParallel<B> {
-    let applied = with_walk(|walk| {
-        let (plan, group, shapes) = walk.apply.as_ref()?;
-        let path = walk.path.parent();
-        let style = plan.exact_style(&path);
-        let part = (style == Some(TpStyle::VocabRows)).then(|| {
-            let rows = shapes.get(&format!("{path}.weight")).map_or(0, |s| s[0]);
-            split_ranges(rows, plan.size)[plan.rank].clone()
-        });
-        Some(Applied {
-            group: group.clone(),
-            style,
-            part,
-            sequence_dim: plan.sequence_dim,
-        })
-    });
-    match applied.flatten() {
-        Some(applied) => slot.with_applied(applied),
-        None => slot,
-    }
-}
+use super::walk::{Layer, WalkGuard, with_walk};
 
 /// The survey: parameters' paths and shapes (slots report themselves to the walk).
 struct Survey(Vec<(String, Vec<usize>)>);

@@ -45,8 +45,9 @@ use wildfire_backend::collective::{
 };
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
 
-use super::plan::{TpPlan, TpStyle, section_parts};
-use super::slot::{Applied, Layer, TensorParallel};
+use super::plan::{TpPlan, TpStyle};
+use super::slot::{TensorParallel, collective};
+use super::walk::{Applied, Layer};
 use crate::precision::in_dtype;
 
 /// A linear layer `Y = XA + b` (`weight: [n_in, n_out]`, as Burn's `Linear`) that a
@@ -68,12 +69,6 @@ impl<B: Backend> From<Linear<B>> for ParallelLinear<B> {
             tp: TensorParallel::for_layer(Layer::Linear),
         }
     }
-}
-
-/// A collective inside a layer's forward. The forward has no error path (Burn's modules return
-/// tensors), so a failed collective (a peer that died) ends this rank with its cause.
-pub(crate) fn collective<T>(result: Result<T, CommError>) -> T {
-    result.unwrap_or_else(|error| panic!("tensor-parallel collective failed: {error}"))
 }
 
 /// `y + b` in `y`'s type (the bias cast to it); `y` without a bias.
@@ -227,29 +222,6 @@ impl<B: CollectiveBackend> ParallelEmbedding<B> {
     pub fn vocab_start(&self) -> usize {
         self.tp.part().map_or(0, |part| part.start)
     }
-}
-
-/// A copy of `t` with its own storage and no graph: a parameter made from a slice of the whole
-/// weight must be a leaf (on an autodiff backend a slice is not), and must not keep the whole
-/// weight's storage alive (a slice can be a view of it).
-pub(crate) fn owned<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    let device = t.device();
-    Tensor::from_data(t.into_data(), &device)
-}
-
-/// What rank `rank` of `size` holds of `full` along `dim` cut into `sections` equal sections
-/// (see [`section_parts`]): its parts, concatenated in order, as an [`owned`] copy.
-pub(crate) fn rank_part<B: Backend, const D: usize>(
-    full: Tensor<B, D>,
-    dim: usize,
-    sections: usize,
-    (rank, size): (usize, usize),
-) -> Tensor<B, D> {
-    let parts = section_parts(full.dims()[dim], sections, rank, size)
-        .into_iter()
-        .map(|range| full.clone().narrow(dim, range.start, range.len()))
-        .collect();
-    owned(Tensor::cat(parts, dim))
 }
 
 /// Ids shifted into a part `[start, start + len)` (others clamped to a valid row) and the float

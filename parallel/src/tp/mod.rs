@@ -30,6 +30,7 @@ pub mod grads;
 pub mod layers;
 pub mod plan;
 pub mod slot;
+mod walk;
 
 pub use apply::{apply_plan, check_plan};
 pub use grads::SequencePartial;

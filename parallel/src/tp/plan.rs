@@ -9,8 +9,6 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use wildfire_backend::comm::split_ranges;
 
-use super::layers::rank_part;
-
 /// How one layer (or one parameter) of a model is split over the `p` ranks of a
 /// tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,6 +351,29 @@ pub(crate) fn section_parts(
     (0..sections)
         .map(|s| s * width + part.start..s * width + part.end)
         .collect()
+}
+
+/// A copy of `t` with its own storage and no graph: a parameter made from a slice of the whole
+/// weight must be a leaf (on an autodiff backend a slice is not), and must not keep the whole
+/// weight's storage alive (a slice can be a view of it).
+pub(crate) fn owned<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    let device = t.device();
+    Tensor::from_data(t.into_data(), &device)
+}
+
+/// What rank `rank` of `size` holds of `full` along `dim` cut into `sections` equal sections
+/// (see [`section_parts`]): its parts, concatenated in order, as an [`owned`] copy.
+pub(crate) fn rank_part<B: Backend, const D: usize>(
+    full: Tensor<B, D>,
+    dim: usize,
+    sections: usize,
+    (rank, size): (usize, usize),
+) -> Tensor<B, D> {
+    let parts = section_parts(full.dims()[dim], sections, rank, size)
+        .into_iter()
+        .map(|range| full.clone().narrow(dim, range.start, range.len()))
+        .collect();
+    owned(Tensor::cat(parts, dim))
 }
 
 #[cfg(test)]

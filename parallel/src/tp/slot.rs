@@ -18,41 +18,15 @@ use wildfire_backend::collective::{
     CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
     gather_from_parallel_region, scatter_to_parallel_region,
 };
-use wildfire_backend::comm::ProcessGroup;
+use wildfire_backend::comm::{CommError, ProcessGroup};
 
-use super::apply;
-use super::layers::collective;
 use super::plan::TpStyle;
+use super::walk::{self, Applied, Layer};
 
-/// What holds a [`TensorParallel`]: a layer a plan may split, or a model that reads its
-/// group and sequence split.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Layer {
-    Linear,
-    Embedding,
-    Model,
-}
-
-impl Layer {
-    /// The layer's name in errors.
-    pub(crate) fn describe(self) -> &'static str {
-        match self {
-            Self::Linear => "a ParallelLinear",
-            Self::Embedding => "a ParallelEmbedding",
-            Self::Model => "a model's TensorParallel",
-        }
-    }
-}
-
-/// What a plan filled in.
-#[derive(Debug, Clone)]
-pub(crate) struct Applied {
-    pub(crate) group: ProcessGroup,
-    /// The layer's style under the plan (`None`: no rule names it).
-    pub(crate) style: Option<TpStyle>,
-    /// The rows of the whole table an embedding holds.
-    pub(crate) part: Option<Range<usize>>,
-    pub(crate) sequence_dim: Option<usize>,
+/// A collective inside a layer's forward. The forward has no error path (Burn's modules return
+/// tensors), so a failed collective (a peer that died) ends this rank with its cause.
+pub(crate) fn collective<T>(result: Result<T, CommError>) -> T {
+    result.unwrap_or_else(|error| panic!("tensor-parallel collective failed: {error}"))
 }
 
 /// A layer's or a model's place in its tensor-parallel group; nothing until a plan is applied.
@@ -210,16 +184,19 @@ impl<B: Backend> std::fmt::Debug for TensorParallel<B> {
 
 /// No parameters and no record: the plan is applied again when a model is built (a checkpoint
 /// stores parameters by name, the split is the run's). Visiting and mapping report the slot to a
-/// plan being applied ([`apply`]); anything else leaves it as it is.
+/// plan being applied ([`walk`]); anything else leaves it as it is.
 impl<B: Backend> Module<B> for TensorParallel<B> {
     type Record = EmptyRecord;
 
     fn visit<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {
-        apply::survey_slot(self.layer);
+        walk::survey_slot(self.layer);
     }
 
     fn map<M: ModuleMapper<B>>(self, _mapper: &mut M) -> Self {
-        apply::fill_slot(self)
+        match walk::fill_slot() {
+            Some(applied) => self.with_applied(applied),
+            None => self,
+        }
     }
 
     fn load_record(self, _record: Self::Record) -> Self {

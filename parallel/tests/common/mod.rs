@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use wildfire_backend::comm::{CommOptions, ProcessGroup};
+use wildfire_backend::comm::{CommOptions, ProcessGroup, run_thread_ranks};
 
 /// `n` pseudo-random values (xorshift from `seed`) in [−1, 1], or, `integer`, in {−3, …, 3}:
 /// sums of a few integer values are exact in f32.
@@ -26,31 +26,23 @@ pub fn values(seed: u64, n: usize, integer: bool) -> Vec<f32> {
 /// parallel threads otherwise.
 static ONE_WORLD: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Runs `body` on every rank of a thread world (a collective waits 30 s at most, so nothing
-/// hangs), then a barrier (thread ranks must meet between backward passes); the ranks' results
-/// in rank order.
+/// Runs `body` on every rank of a thread world (a collective waits 30 s at most, the world 5
+/// minutes), then a barrier (thread ranks must meet between backward passes); the ranks'
+/// results in rank order.
 pub fn threads<T: Send + 'static>(
     ranks: usize,
-    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let _one = ONE_WORLD.lock().unwrap_or_else(|p| p.into_inner());
     let options = CommOptions {
         timeout: Duration::from_secs(30),
         debug: true,
     };
-    let handles: Vec<_> = ProcessGroup::local_world(ranks, options)
-        .unwrap()
-        .into_iter()
-        .map(|group| {
-            let body = body.clone();
-            std::thread::spawn(move || {
-                let out = body(group.clone());
-                group.barrier().unwrap();
-                out
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    run_thread_ranks(ranks, options, Duration::from_secs(300), move |group| {
+        let out = body(group.clone());
+        group.barrier().unwrap();
+        out
+    })
 }
 
 /// Every element of `a` within `tolerance × max|b|` of `b`'s.

@@ -17,14 +17,10 @@
 //! boxes of every file (and places the parts into the whole tensors), so a checkpoint resumes
 //! under any ZeRO stage, pipeline layout and tensor-parallel degree.
 
-mod crash;
-mod distributed;
-mod writer;
-
+pub use wildfire_parallel::checkpoint::crash::{CRASH_ENV, CrashPoint, crash_point};
+pub use wildfire_parallel::checkpoint::distributed::Snapshot;
 pub use wildfire_parallel::checkpoint::store;
-
-pub use crash::{CRASH_ENV, CrashPoint, crash_point};
-pub use writer::BackgroundWriter;
+pub use wildfire_parallel::checkpoint::{BackgroundWriter, prune};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,8 +40,7 @@ use wildfire_backend::comm::ProcessGroup;
 
 use crate::model::params::{ParamFn, collect_params, load_params, param_names};
 use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
-use crate::optim::{GptOptimizer, MatrixDecayAdamW};
-use crate::train::Optimizers;
+use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
 pub use wildfire_parallel::checkpoint::module::ModuleLayout;
@@ -207,15 +202,6 @@ impl<B: AutodiffBackend> ParamFn<B> for CollectMoments<'_, B> {
     }
 }
 
-/// What one rank writes of a checkpoint, copied to host memory: its shard's slices and the
-/// checkpoint's state (the manifest's, the same on every rank).
-#[derive(Debug)]
-pub struct Snapshot {
-    pub step: u64,
-    pub slices: Vec<TensorSlice>,
-    pub state: serde_json::Value,
-}
-
 /// Writes a committed checkpoint of this rank's `model` chunks, their optimizer state and
 /// `state` under `root` ([`snapshot`], then [`Snapshot::write`]). Returns the directory.
 pub fn save<B: AutodiffBackend>(
@@ -227,23 +213,7 @@ pub fn save<B: AutodiffBackend>(
     data_rank: usize,
     layout: &ModuleLayout,
 ) -> anyhow::Result<PathBuf> {
-    snapshot(model, optimizers, state, world, data_rank, layout)?.write(root, world)
-}
-
-impl Snapshot {
-    /// Writes this rank's shard under `root`; rank 0 commits once every rank of `world` has
-    /// written its own. Every rank calls this and learns the outcome.
-    pub fn write(self, root: &Path, world: &ProcessGroup) -> anyhow::Result<PathBuf> {
-        if world.size() == 1 {
-            crash_point(CrashPoint::BeforeShard, self.step, 0);
-            crash_point(CrashPoint::BeforeCommit, self.step, 0);
-            let shards = [(0, self.slices)];
-            return Ok(store::write_checkpoint(
-                root, self.step, &shards, self.state,
-            )?);
-        }
-        distributed::save(root, world, self)
-    }
+    Ok(snapshot(model, optimizers, state, world, data_rank, layout)?.write(root, world)?)
 }
 
 /// This rank's part of a checkpoint of its `model` chunks, their optimizer state and `state`,
@@ -262,7 +232,7 @@ pub fn snapshot<B: AutodiffBackend>(
     let mut slices = Vec::new();
     let mut steps = BTreeMap::new();
     let mut shapes = BTreeMap::new();
-    if first_replica && optimizers.stage() != ZeroStage::Three {
+    if first_replica && optimizers.stage() != ZeroStage::ShardParameters {
         let params = model
             .chunks
             .iter()
@@ -327,17 +297,6 @@ pub fn snapshot<B: AutodiffBackend>(
     })
 }
 
-/// Keeps the newest `keep_last` committed checkpoints under `root` (0 keeps all). Pruning is
-/// rank 0's alone, and failing it only warns: it must not stop rank 0 while the others go on.
-pub fn prune(root: &Path, keep_last: usize) {
-    if keep_last == 0 {
-        return;
-    }
-    if let Err(error) = store::prune(root, keep_last) {
-        eprintln!("warning: old checkpoints were not pruned: {error:#}");
-    }
-}
-
 /// Every parameter's global name, by id.
 fn names_by_id<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
     struct Names(BTreeMap<ParamId, String>);
@@ -383,7 +342,7 @@ fn gather_union<T: Serialize + serde::de::DeserializeOwned>(
         return Ok(map);
     }
     let mut all = BTreeMap::new();
-    for part in distributed::all_gather_json(world, &map)? {
+    for part in world.all_gather_json(&map)? {
         all.extend(part);
     }
     Ok(all)

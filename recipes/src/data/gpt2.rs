@@ -22,6 +22,11 @@ use regex::Regex;
 use rustc_hash::FxHashMap;
 use tiktoken_rs::CoreBPE;
 
+/// GPT-2's vocabulary size (50,000 merges, 256 bytes, `<|endoftext|>`).
+pub const GPT2_VOCAB: usize = 50257;
+/// GPT-2's `<|endoftext|>`.
+pub const GPT2_END_OF_TEXT: u32 = 50256;
+
 /// GPT-2's pre-tokenisation pattern without the `\s+(?!\S)` alternative (see the module doc).
 const PIECES: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
@@ -44,7 +49,7 @@ impl Gpt2Bpe {
     /// produces.
     pub fn load() -> Result<Self, String> {
         let tiktoken = tiktoken_rs::r50k_base().map_err(|e| e.to_string())?;
-        let ranks = (0..super::tokenizer::GPT2_END_OF_TEXT)
+        let ranks = (0..GPT2_END_OF_TEXT)
             .map(|id| {
                 (
                     tiktoken

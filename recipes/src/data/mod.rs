@@ -9,10 +9,11 @@ mod sampler;
 mod tokenizer;
 
 pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
+pub use gpt2::GPT2_END_OF_TEXT;
 pub use prepare::{CHAR_END_OF_TEXT, PrepareOptions, prepare};
 pub use prepared::{
     Blend, DocumentCounts, MANIFEST, Manifest, Prepared, ShardEntry, Split, TokenDtype, Tokens,
     is_prepared,
 };
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};
-pub use tokenizer::{GPT2_END_OF_TEXT, Tokenizer, TokenizerError, TokenizerKind};
+pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind};

@@ -75,7 +75,7 @@ pub fn prepare(options: &PrepareOptions) -> anyhow::Result<Manifest> {
         TokenizerKind::Char => char_vocabulary(&files, options)?,
     };
     let (vocab_size, end_of_text) = match &tokenizer {
-        Tokenizer::Gpt2(_) => (tokenizer.vocab_size(), super::tokenizer::GPT2_END_OF_TEXT),
+        Tokenizer::Gpt2(_) => (tokenizer.vocab_size(), super::gpt2::GPT2_END_OF_TEXT),
         Tokenizer::Char { chars } => {
             let id = chars
                 .binary_search(&CHAR_END_OF_TEXT)

@@ -2,7 +2,7 @@
 //! order) and GPT-2's byte-level BPE (tiktoken's `r50k_base`, whose ranks ship inside the
 //! tiktoken-rs crate, so nothing is downloaded; encoded by [`super::gpt2`]).
 
-use super::gpt2::Gpt2Bpe;
+use super::gpt2::{GPT2_VOCAB, Gpt2Bpe};
 use serde::{Deserialize, Serialize};
 
 /// Which tokenizer a run uses; stored in the run's config and checkpoints.
@@ -49,11 +49,6 @@ impl std::fmt::Debug for Tokenizer {
         }
     }
 }
-
-/// GPT-2's vocabulary size (50,000 merges, 256 bytes, `<|endoftext|>`).
-pub const GPT2_VOCAB: usize = 50257;
-/// GPT-2's `<|endoftext|>`.
-pub const GPT2_END_OF_TEXT: u32 = 50256;
 
 impl Tokenizer {
     /// A character tokenizer over the distinct characters of `text`.

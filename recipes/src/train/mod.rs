@@ -24,9 +24,10 @@ mod batch;
 mod setup;
 mod update;
 
+pub use crate::optim::Optimizers;
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{Start, TrainOutcome, resume_config, run, run_on_cpu, start};
-pub use update::{Optimizers, counted_elsewhere, zero_layout};
+pub use update::{counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -45,7 +46,7 @@ use burn::train::{
 
 use anyhow::bail;
 use burn::optim::GradientsParams;
-use wildfire_backend::comm::{HostTensor, ProcessGroup};
+use wildfire_backend::comm::ProcessGroup;
 use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
 use wildfire_parallel::mesh::PipelinePlan;
 use wildfire_parallel::pp::{StepStats, run_forward, run_step};
@@ -58,7 +59,7 @@ use crate::data::{Sampler, SplitMix64};
 use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
 use crate::model::GptChunks;
 use crate::optim::{GptOptimizer, WarmupCosine};
-use wildfire_parallel::update::{StepOptions, UpdateGroups, group_sum, lock};
+use wildfire_parallel::update::{StepOptions, UpdateGroups, lock};
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
@@ -249,7 +250,7 @@ impl<B: TrainBackend> StepLoop<B> {
         device: &B::Device,
     ) -> anyhow::Result<(GradientsParams, StepStats, Duration)> {
         if let Some(zero) = self.optimizers.zero()
-            && zero.stage() == ZeroStage::Three
+            && zero.stage() == ZeroStage::ShardParameters
         {
             let started = Instant::now();
             let step =
@@ -308,7 +309,7 @@ impl<B: TrainBackend> StepLoop<B> {
 
     /// `value` summed over every rank (itself on one rank).
     fn world_sum(&self, value: f64) -> anyhow::Result<f64> {
-        Ok(group_sum(&self.rank.world, value)?)
+        Ok(self.rank.world.sum_value(value)?)
     }
 
     /// Every pipeline rank's bubble and peak activations, next to the schedule's theory
@@ -318,21 +319,11 @@ impl<B: TrainBackend> StepLoop<B> {
         if world.size() == 1 && self.rank.plan.schedule.virtual_stages == 1 {
             return Ok(None);
         }
-        let mine = HostTensor::new(
-            vec![stats.bubble(), stats.peak_activations as f64],
-            vec![1, 2],
-        );
-        let all = world.all_gather_host(mine, 0)?;
+        let all = world.all_gather_values(&[stats.bubble(), stats.peak_activations as f64])?;
         Ok(Some(PipelineRecord {
-            bubble: all.data.iter().step_by(2).copied().collect(),
+            bubble: all.iter().map(|row| row[0]).collect(),
             bubble_theory: self.rank.plan.ideal_bubble,
-            peak_activations: all
-                .data
-                .iter()
-                .skip(1)
-                .step_by(2)
-                .map(|&p| p as usize)
-                .collect(),
+            peak_activations: all.iter().map(|row| row[1] as usize).collect(),
         }))
     }
 
@@ -349,7 +340,7 @@ impl<B: TrainBackend> StepLoop<B> {
         let rank = &self.rank;
         let sharded = self.optimizers.zero();
         let loss_sum = match sharded.as_deref() {
-            Some(zero) if zero.stage() == ZeroStage::Three => {
+            Some(zero) if zero.stage() == ZeroStage::ShardParameters => {
                 let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
                 run_sharded_forward(zero, &model.chunks, &batches, model.tied_embedding().both())?
             }
@@ -367,7 +358,7 @@ impl<B: TrainBackend> StepLoop<B> {
             }
         };
         drop(sharded);
-        let loss_sum = group_sum(&rank.pipe, loss_sum)?;
+        let loss_sum = rank.pipe.sum_value(loss_sum)?;
         Ok(StepOutput {
             loss_sum,
             tokens,
@@ -402,7 +393,7 @@ impl<B: TrainBackend> StepLoop<B> {
         )?;
         let (root, keep_last) = (&self.checkpoint_root, self.settings.keep_last);
         if self.settings.checkpoint_in_background && !last {
-            return writer.start(root, snapshot, world, keep_last);
+            return Ok(writer.start(root, snapshot, world, keep_last)?);
         }
         snapshot.write(root, world)?;
         if world.rank() == 0 {
@@ -537,7 +528,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
             }
         }
         if let Some(error) = lock(&self.writer).wait_alone() {
-            self.record_error(error);
+            self.record_error(error.into());
         }
         (self.current_model(), events)
     }

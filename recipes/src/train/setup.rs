@@ -12,9 +12,7 @@ use burn::train::metric::LearningRateMetric;
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
 use burn::module::Module;
-use wildfire_backend::comm::{
-    CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges,
-};
+use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges};
 use wildfire_backend::kernels::matmul::set_matmul_precision;
 use wildfire_parallel::dp::FlatLayout;
 use wildfire_parallel::fsdp::{Placeholders, ZeroStage};
@@ -27,8 +25,9 @@ use super::{
 };
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use wildfire_parallel::precision::DynamicLossScaler;
 use wildfire_parallel::replicas::verify_replicas;
-use wildfire_parallel::update::{Update, device_inner, zero_optimizer};
+use wildfire_parallel::update::{Update, inner_device_of, lock, zero_optimizer};
 
 use crate::checkpoint::ModuleLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
@@ -381,39 +380,110 @@ fn first_outcome(
         .context("a parallel run with no ranks")
 }
 
-/// This rank's part of the run.
+/// This rank's part of the run: its place in the layout, the checked run directory and data,
+/// the model and its optimizer, then burn-train's loop around [`StepLoop`].
 fn run_rank<B: TrainBackend>(
     config: RunConfig,
     start: Start,
     world: ProcessGroup,
 ) -> anyhow::Result<TrainOutcome> {
-    let (rank, parallel) = (world.rank(), &config.parallel);
-    let dims = ParallelDims {
+    let dims = parallel_dims(&config)?;
+    let train = &config.train;
+    let global_batch =
+        dims.global_batch(train.global_batch, train.micro_batch, train.grad_accum)?;
+    let bucket_bytes = config.parallel.bucket_bytes()?;
+    let mesh = Mesh::new(world, dims)?;
+    let resumed = open_run_dir(&config.run.dir, start, mesh.world())?;
+    let data = prepare_data(&config, resumed.as_ref())?;
+    check_model_settings::<B>(&config, &data.model, dims)?;
+    let parallel = &config.parallel;
+    let plan = dims.pipeline(
+        parallel.schedule_kind()?,
+        parallel.virtual_stages,
+        config.train.grad_accum,
+        data.model.n_layer,
+        &parallel.stage_layers,
+    )?;
+    // Every rank has checked the run directory before rank 0 writes into it.
+    mesh.world().barrier()?;
+    // Process-wide: ranks that are threads of this process set the same value.
+    set_matmul_precision(config.precision.matmul);
+    let device = B::Device::default();
+    let (layout, model) = build_model::<B>(
+        &config,
+        &data.model,
+        resumed.as_ref(),
+        &mesh,
+        &plan,
+        &device,
+    )?;
+    // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
+    mesh.world().barrier()?;
+    verify_replicas(&model, mesh.data())?;
+    let progress = Progress::new(&config, &data, resumed.as_ref(), &mesh, global_batch)?;
+    let (model, optimizers) = build_optimizers(
+        &config,
+        model,
+        &layout,
+        resumed.as_ref(),
+        &mesh,
+        bucket_bytes,
+        &device,
+    )?;
+    let offload = parallel.offload_optimizer;
+    report_state_bytes(mesh.world(), &optimizers, dims.zero, offload)?;
+    let strategy = Arc::new(StepLoop {
+        settings: loop_settings(&config, &data.model, dims, progress.start_step),
+        model: Mutex::new(model.clone()),
+        optimizers,
+        sampler: progress.sampler.clone(),
+        scaler: loss_scaler(&config, resumed.as_ref())?.map(Mutex::new),
+        sink: open_metrics(&config, &data.model, mesh.world(), progress.start_step)?,
+        state: checkpoint_template(&config, &data, progress.start_step),
+        checkpoint_root: config.run.dir.join("checkpoints"),
+        writer: Default::default(),
+        rank: rank_context(&mesh, &data.model, plan, layout, &model)?,
+        error: Mutex::new(None),
+        losses: Mutex::new(Vec::new()),
+    });
+    if mesh.world().rank() == 0 {
+        describe_run(&config, &data, &strategy.rank.plan, dims, &progress);
+    }
+    // Everything the checkpoint held is in the model and optimizer now.
+    drop(resumed);
+    let training = supervised_training(&config, data, &progress, &strategy, &device);
+    // The loop holds the model (see `StepLoop::model`); the learner keeps a placeholder copy,
+    // its optimizer is never stepped.
+    let placeholder = {
+        let _lock = graphs_lock();
+        model.map(&mut Placeholders { device })
+    };
+    let idle_optimizer =
+        SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
+    training.launch(Learner::new(placeholder, idle_optimizer, progress.schedule));
+    outcome(&strategy, config.run.dir, progress.start_step)
+}
+
+/// The layout the config's `[parallel]` section asks for.
+fn parallel_dims(config: &RunConfig) -> anyhow::Result<ParallelDims> {
+    let parallel = &config.parallel;
+    Ok(ParallelDims {
         dp: parallel.dp,
         tp: parallel.tp,
         pp: parallel.pp,
         zero: parallel.zero_stage()?,
         sequence_parallel: parallel.sequence_parallel,
-    };
-    let mesh = Mesh::new(world, dims)?;
-    let stage = dims.zero;
-    let bucket_bytes = parallel.bucket_bytes()?;
-    let global_batch = dims.global_batch(
-        config.train.global_batch,
-        config.train.micro_batch,
-        config.train.grad_accum,
-    )?;
-    let (data_rank, pipe_rank, _) = dims.coordinates(rank);
-    let (world, pipe, data, tensor, replica) = (
-        mesh.world().clone(),
-        mesh.pipeline().clone(),
-        mesh.data().clone(),
-        mesh.tensor().clone(),
-        mesh.replica().clone(),
-    );
-    let run_dir = config.run.dir.clone();
+    })
+}
+
+/// The checkpoint to resume from, if any (see [`check_run_dir`]), once rank 0 has removed what
+/// a stopped run's unfinished saves left (before any rank writes).
+fn open_run_dir(
+    run_dir: &Path,
+    start: Start,
+    world: &ProcessGroup,
+) -> anyhow::Result<Option<Loaded>> {
     if world.rank() == 0 {
-        // Before any rank writes: what a stopped run's unfinished saves left.
         let stale = checkpoint::store::remove_stale(&run_dir.join("checkpoints"))?;
         if !stale.is_empty() {
             println!(
@@ -422,18 +492,20 @@ fn run_rank<B: TrainBackend>(
             );
         }
     }
-    let resumed = check_run_dir(&run_dir, start)?
+    check_run_dir(run_dir, start)?
         .map(|dir| checkpoint::load(&dir))
-        .transpose()?;
-    let Data {
-        tokenizer,
-        model: model_config,
-        train,
-        val,
-        hash,
-        blend,
-    } = prepare_data(&config, resumed.as_ref())?;
-    dims.check_tensor_parallel(model_config.n_head, model_config.context)?;
+        .transpose()
+}
+
+/// Refuses model settings the layout or the backend cannot train as asked: heads or context
+/// that tensor parallelism cannot split, activation checkpointing the backend's autodiff does
+/// not do, and dropout where a block's forward is recomputed (full checkpointing, ZeRO 3).
+fn check_model_settings<B: TrainBackend>(
+    config: &RunConfig,
+    model: &GptConfig,
+    dims: ParallelDims,
+) -> anyhow::Result<()> {
+    dims.check_tensor_parallel(model.n_head, model.context)?;
     let checkpointing = config.train.activation_checkpointing;
     if (checkpointing == ActivationCheckpointing::Selective) != B::RECOMPUTES_MEMORY_BOUND_OPS {
         bail!(
@@ -446,213 +518,309 @@ fn run_rank<B: TrainBackend>(
             }
         );
     }
-    if checkpointing == ActivationCheckpointing::Full && model_config.dropout > 0.0 {
+    if checkpointing == ActivationCheckpointing::Full && model.dropout > 0.0 {
         bail!(
             "train.activation_checkpointing = full recomputes each block in the backward, which \
              would draw new dropout masks: it needs model.dropout = 0, not {} (selective \
              checkpointing keeps the masks)",
-            model_config.dropout
+            model.dropout
         );
     }
-    if stage == ZeroStage::Three && model_config.dropout > 0.0 {
+    if dims.zero == ZeroStage::ShardParameters && model.dropout > 0.0 {
         bail!(
             "ZeRO stage 3 recomputes each block's forward in its backward, which draws new \
              dropout masks: it needs model.dropout = 0, not {}",
-            model_config.dropout
+            model.dropout
         );
     }
-    let (n_train, n_val) = (train.len(), val.len());
-    let plan = dims.pipeline(
-        parallel.schedule_kind()?,
-        parallel.virtual_stages,
-        config.train.grad_accum,
-        model_config.n_layer,
-        &parallel.stage_layers,
-    )?;
-    // Every rank has checked the run directory before rank 0 writes into it.
-    world.barrier()?;
+    Ok(())
+}
 
-    // Process-wide: ranks that are threads of this process set the same value.
-    set_matmul_precision(config.precision.matmul);
+/// The chunks of the GPT this rank trains, and the layout of its parameters in the whole
+/// model: the whole model drawn from the seed (the same on every rank), loaded from the
+/// checkpoint or Hugging Face weights, split by the tensor-parallel plan, and cut into this
+/// pipeline rank's chunks (one block per chunk under ZeRO 3, whose units they are).
+fn build_model<B: TrainBackend>(
+    config: &RunConfig,
+    model_config: &GptConfig,
+    resumed: Option<&Loaded>,
+    mesh: &Mesh,
+    plan: &PipelinePlan,
+    device: &B::Device,
+) -> anyhow::Result<(ModuleLayout, GptChunks<B>)> {
+    let tensor = mesh.tensor();
     let (tp_rank, tp_size) = (tensor.rank(), tensor.size());
-    let tp_plan = TpPlan::new(TP_PLAN, tp_rank, tp_size)
-        .with_sequence_parallel(parallel.sequence_parallel.then_some(SEQUENCE_DIM));
-    let device = B::Device::default();
-    let (layout, mut model) = {
-        // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
-        // the model and making its parameters (which registers them) happen under the
-        // pipeline's lock, so every rank draws the same model and no graph is cleaned meanwhile.
-        let _lock = graphs_lock();
-        B::seed(&device, config.train.seed);
-        let whole = Gpt::<B>::new(&model_config, StageSpec::whole(&model_config), &device)
-            .with_precision(config.precision.compute)
-            .with_fused_ops(config.train.fused_ops)
-            .with_recomputed_blocks(
-                config.train.activation_checkpointing == ActivationCheckpointing::Full,
-            );
-        let whole = match (&resumed, &config.run.init_from) {
-            (Some(loaded), _) => loaded.apply_params(whole)?,
-            (None, Some(source)) => crate::hf::init_from(whole, source)?,
-            (None, None) => whole,
-        };
-        let layout = ModuleLayout::of(&whole, tp_plan.clone());
-        let split_plan = TpPlan::new(&whole_model_rules(&model_config), tp_rank, tp_size)
-            .with_sequence_parallel(tp_plan.sequence_dim);
-        let whole = apply_plan(whole, &split_plan, &tensor)?;
-        let chunks = match stage {
-            // ZeRO 3 runs one block per unit (see `run_sharded_step`).
-            ZeroStage::Three => {
-                let blocks: Vec<_> = (0..model_config.n_layer).map(|b| b..b + 1).collect();
-                GptChunks::for_rank(whole, &blocks, 1, 0)
-            }
-            _ => GptChunks::for_rank(whole, &plan.stages, dims.pp, pipe_rank),
-        };
-        (layout, chunks)
+    let sequence_dim = config.parallel.sequence_parallel.then_some(SEQUENCE_DIM);
+    let tp_plan = TpPlan::new(TP_PLAN, tp_rank, tp_size).with_sequence_parallel(sequence_dim);
+    // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
+    // the model and making its parameters (which registers them) happen under the pipeline's
+    // lock, so every rank draws the same model and no graph is cleaned meanwhile.
+    let _lock = graphs_lock();
+    B::seed(device, config.train.seed);
+    let whole = Gpt::<B>::new(model_config, StageSpec::whole(model_config), device)
+        .with_precision(config.precision.compute)
+        .with_fused_ops(config.train.fused_ops)
+        .with_recomputed_blocks(
+            config.train.activation_checkpointing == ActivationCheckpointing::Full,
+        );
+    let whole = match (resumed, &config.run.init_from) {
+        (Some(loaded), _) => loaded.apply_params(whole)?,
+        (None, Some(source)) => crate::hf::init_from(whole, source)?,
+        (None, None) => whole,
     };
-    // Threads share the RNG: no rank may reseed it (each step does) while another still draws.
-    world.barrier()?;
-    verify_replicas(&model, &data)?;
-    let adamw = MatrixDecayAdamW::new(&config.train);
-    let mut schedule = WarmupCosine::new(&config.train);
-    let ranks = (data_rank, dims.dp);
-    let (context, seed) = (model_config.context, config.train.seed);
-    let mut sampler = match &blend {
-        None => Sampler::new(n_train, context, global_batch, seed, ranks)?,
-        Some(parts) => Sampler::blended(parts, context, global_batch, seed, ranks)?,
-    };
-    let mut start_step = 0;
-    if let Some(loaded) = &resumed {
-        schedule.next_step = loaded.state.schedule_step;
-        sampler.seek(loaded.state.cursor);
-        start_step = loaded.state.step;
-    }
-    let optimizers = match stage {
-        ZeroStage::Zero0 => {
-            let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
-            if let Some(loaded) = &resumed {
-                loaded.apply_moments(&model, &optimizer, &layout.plan)?;
-            }
-            Optimizers::replicated(optimizer, FlatLayout::of_module(&model, bucket_bytes))
+    let layout = ModuleLayout::of(&whole, tp_plan);
+    let split_plan = TpPlan::new(&whole_model_rules(model_config), tp_rank, tp_size)
+        .with_sequence_parallel(sequence_dim);
+    let whole = apply_plan(whole, &split_plan, tensor)?;
+    let chunks = match mesh.dims().zero {
+        // ZeRO 3 runs one block per unit (see `run_sharded_step`).
+        ZeroStage::ShardParameters => {
+            let blocks: Vec<_> = (0..model_config.n_layer).map(|b| b..b + 1).collect();
+            GptChunks::for_rank(whole, &blocks, 1, 0)
         }
         _ => {
-            let mut zero = zero_optimizer(
-                &model,
-                stage,
-                data.clone(),
-                zero_layout(&model, stage, bucket_bytes),
-                adamw.halves(),
-                parallel.offload_optimizer,
-            );
-            if let Some(loaded) = &resumed {
-                zero.set_moments(&loaded.moments_by_id(&model, &layout.plan)?)?;
-            }
-            if stage == ZeroStage::Three {
-                // The optimizer holds the parameters now; the chunks keep placeholders.
-                let _lock = graphs_lock();
-                model = model.map(&mut Placeholders {
-                    device: device.clone(),
-                });
-            }
-            Update::sharded(zero)
+            let pipe_rank = mesh.pipeline().rank();
+            GptChunks::for_rank(whole, &plan.stages, mesh.dims().pp, pipe_rank)
         }
     };
-    report_state_bytes(&world, &optimizers, stage, parallel.offload_optimizer)?;
+    Ok((layout, chunks))
+}
 
-    let sink = if rank == 0 {
-        let resolved = ResolvedConfig {
-            run: &config,
-            model: &model_config,
+/// Where the run stands: the learning-rate schedule, the sampler of this data-parallel rank's
+/// windows (shared by the train loader and the loop, which checkpoints its cursor), the first
+/// step, and the global batch in sequences.
+#[derive(Clone)]
+struct Progress {
+    schedule: WarmupCosine,
+    sampler: Arc<Mutex<Sampler>>,
+    start_step: u64,
+    global_batch: usize,
+}
+
+impl Progress {
+    /// At step 0, or where the resumed checkpoint left the schedule and the sampler.
+    fn new(
+        config: &RunConfig,
+        data: &Data,
+        resumed: Option<&Loaded>,
+        mesh: &Mesh,
+        global_batch: usize,
+    ) -> anyhow::Result<Self> {
+        let train = &config.train;
+        let ranks = (mesh.data().rank(), mesh.dims().dp);
+        let (context, seed) = (data.model.context, train.seed);
+        let mut sampler = match &data.blend {
+            None => Sampler::new(data.train.len(), context, global_batch, seed, ranks)?,
+            Some(parts) => Sampler::blended(parts, context, global_batch, seed, ranks)?,
         };
-        let config_toml = write_run_config(&run_dir, &resolved)?;
-        Some(Mutex::new(MetricsSink::open(
-            &run_dir,
-            &config_toml,
+        let mut schedule = WarmupCosine::new(train);
+        let mut start_step = 0;
+        if let Some(loaded) = resumed {
+            schedule.next_step = loaded.state.schedule_step;
+            sampler.seek(loaded.state.cursor);
+            start_step = loaded.state.step;
+        }
+        Ok(Self {
+            schedule,
+            sampler: Arc::new(Mutex::new(sampler)),
             start_step,
-        )?))
-    } else {
-        None
+            global_batch,
+        })
+    }
+}
+
+/// The optimizer of `model` under the layout's ZeRO stage, with the resumed checkpoint's
+/// moments: Burn's AdamW adaptor over DDP's buckets at stage 0, the sharded AdamW otherwise.
+/// Under ZeRO 3 the optimizer holds the parameters, and the returned chunks keep placeholders.
+fn build_optimizers<B: TrainBackend>(
+    config: &RunConfig,
+    model: GptChunks<B>,
+    layout: &ModuleLayout,
+    resumed: Option<&Loaded>,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    device: &B::Device,
+) -> anyhow::Result<(GptChunks<B>, Optimizers<B>)> {
+    let stage = mesh.dims().zero;
+    let adamw = MatrixDecayAdamW::new(&config.train);
+    if stage == ZeroStage::Replicated {
+        let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
+        if let Some(loaded) = resumed {
+            loaded.apply_moments(&model, &optimizer, &layout.plan)?;
+        }
+        let buckets = FlatLayout::of_module(&model, bucket_bytes);
+        return Ok((model, Optimizers::replicated(optimizer, buckets)));
+    }
+    let mut zero = zero_optimizer(
+        &model,
+        stage,
+        mesh.data().clone(),
+        zero_layout(&model, stage, bucket_bytes),
+        adamw.halves(),
+        config.parallel.offload_optimizer,
+    );
+    if let Some(loaded) = resumed {
+        zero.set_moments(&loaded.moments_by_id(&model, &layout.plan)?)?;
+    }
+    let model = match stage {
+        ZeroStage::ShardParameters => {
+            let _lock = graphs_lock();
+            model.map(&mut Placeholders {
+                device: device.clone(),
+            })
+        }
+        _ => model,
     };
+    Ok((model, Update::sharded(zero)))
+}
+
+/// The loop's outcome once burn-train returns: its first error, or the steps it ran and their
+/// losses.
+fn outcome<B: TrainBackend>(
+    strategy: &StepLoop<B>,
+    run_dir: PathBuf,
+    start_step: u64,
+) -> anyhow::Result<TrainOutcome> {
+    if let Some(error) = lock(&strategy.error).take() {
+        let rank = strategy.rank.world.rank();
+        return Err(error.context(format!("rank {rank}")));
+    }
+    let losses = std::mem::take(&mut *lock(&strategy.losses));
+    Ok(TrainOutcome {
+        run_dir,
+        steps: start_step + losses.len() as u64,
+        losses,
+    })
+}
+
+/// The loop's fixed settings.
+fn loop_settings(
+    config: &RunConfig,
+    model: &GptConfig,
+    dims: ParallelDims,
+    start_step: u64,
+) -> LoopSettings {
+    LoopSettings {
+        start_step,
+        max_steps: config.train.max_steps,
+        grad_accum: config.train.grad_accum,
+        grad_clip: config.train.grad_clip,
+        eval_every: config.train.eval_every,
+        checkpoint_every: config.checkpoint.every,
+        keep_last: config.checkpoint.keep_last,
+        checkpoint_in_background: config.checkpoint.in_background,
+        seed: config.train.seed,
+        flops_per_token: model.flops_per_token(model.context),
+        peak_flops: config.run.peak_flops,
+        dp: dims.dp,
+    }
+}
+
+/// fp16's loss scaler, with the config's settings; a resumed run continues from its saved scale.
+fn loss_scaler(
+    config: &RunConfig,
+    resumed: Option<&Loaded>,
+) -> anyhow::Result<Option<DynamicLossScaler>> {
+    let saved = resumed.and_then(|r| r.state.loss_scaler.as_ref());
+    Ok(match (config.precision.scaler()?, saved) {
+        (Some(scaler), Some(saved)) => Some(scaler.continuing(saved)),
+        (scaler, _) => scaler,
+    })
+}
+
+/// Rank 0's metric files, in the run directory it creates (with `config.json`); none elsewhere.
+fn open_metrics(
+    config: &RunConfig,
+    model: &GptConfig,
+    world: &ProcessGroup,
+    start_step: u64,
+) -> anyhow::Result<Option<Mutex<MetricsSink>>> {
+    if world.rank() != 0 {
+        return Ok(None);
+    }
+    let resolved = ResolvedConfig { run: config, model };
+    let config_toml = write_run_config(&config.run.dir, &resolved)?;
+    let sink = MetricsSink::open(&config.run.dir, &config_toml, start_step)?;
+    Ok(Some(Mutex::new(sink)))
+}
+
+/// What every checkpoint of the run holds besides its step-dependent fields.
+fn checkpoint_template(config: &RunConfig, data: &Data, start_step: u64) -> TrainState {
+    TrainState {
+        step: start_step,
+        config: config.clone(),
+        model: data.model.clone(),
+        tokenizer: data.tokenizer.kind(),
+        vocab: data.tokenizer.vocab_string(),
+        data_hash: data.hash.clone(),
+        cursor: Default::default(),
+        rng_seed: config.train.seed,
+        schedule_step: start_step,
+        optimizer_steps: Default::default(),
+        flat_shapes: Default::default(),
+        loss_scaler: None,
+    }
+}
+
+/// This rank's place in the run (see [`RankContext`]).
+fn rank_context<B: TrainBackend>(
+    mesh: &Mesh,
+    model_config: &GptConfig,
+    plan: PipelinePlan,
+    layout: ModuleLayout,
+    model: &GptChunks<B>,
+) -> anyhow::Result<RankContext> {
     let tie_group = match model_config.tie_embeddings {
         true => mesh.tie_group()?,
         false => None,
     };
-    let sampler = Arc::new(Mutex::new(sampler));
-    // A resumed fp16 run continues from its saved scale, with the config's settings.
-    let saved_scaler = resumed.as_ref().and_then(|r| r.state.loss_scaler.as_ref());
-    let scaler = match (config.precision.scaler()?, saved_scaler) {
-        (Some(scaler), Some(saved)) => Some(scaler.continuing(saved)),
-        (scaler, _) => scaler,
-    };
-    let strategy = Arc::new(StepLoop {
-        settings: LoopSettings {
-            start_step,
-            max_steps: config.train.max_steps,
-            grad_accum: config.train.grad_accum,
-            grad_clip: config.train.grad_clip,
-            eval_every: config.train.eval_every,
-            checkpoint_every: config.checkpoint.every,
-            keep_last: config.checkpoint.keep_last,
-            checkpoint_in_background: config.checkpoint.in_background,
-            seed: config.train.seed,
-            flops_per_token: model_config.flops_per_token(model_config.context),
-            peak_flops: config.run.peak_flops,
-            dp: dims.dp,
-        },
-        model: Mutex::new(model.clone()),
-        optimizers,
-        sampler: sampler.clone(),
-        scaler: scaler.map(Mutex::new),
-        sink,
-        state: TrainState {
-            step: start_step,
-            config: config.clone(),
-            model: model_config.clone(),
-            tokenizer: tokenizer.kind(),
-            vocab: tokenizer.vocab_string(),
-            data_hash: hash,
-            cursor: Default::default(),
-            rng_seed: config.train.seed,
-            schedule_step: start_step,
-            optimizer_steps: Default::default(),
-            flat_shapes: Default::default(),
-            loss_scaler: None,
-        },
-        checkpoint_root: run_dir.join("checkpoints"),
-        writer: Default::default(),
-        rank: RankContext {
-            world: world.clone(),
-            pipe,
-            data,
-            plan: plan.clone(),
-            tie_group,
-            counted_elsewhere: counted_elsewhere(&model, &layout),
-            sequence_partial: SequencePartial::new(
-                model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims)),
-            ),
-            tensor,
-            replica,
-            layout,
-        },
-        error: Mutex::new(None),
-        losses: Mutex::new(Vec::new()),
-    });
+    let sequence_partial =
+        model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims));
+    Ok(RankContext {
+        world: mesh.world().clone(),
+        pipe: mesh.pipeline().clone(),
+        data: mesh.data().clone(),
+        plan,
+        tie_group,
+        counted_elsewhere: counted_elsewhere(model, &layout),
+        sequence_partial: SequencePartial::new(sequence_partial),
+        tensor: mesh.tensor().clone(),
+        replica: mesh.replica().clone(),
+        layout,
+    })
+}
 
-    let context = model_config.context;
-    let micro = config.train.micro_batch;
+/// burn-train's `SupervisedTraining` around `strategy`: the loaders of `data`, the step
+/// metrics, and the renderer (rank 0 draws progress; other ranks stay quiet).
+fn supervised_training<B: TrainBackend>(
+    config: &RunConfig,
+    data: Data,
+    progress: &Progress,
+    strategy: &Arc<StepLoop<B>>,
+    device: &B::Device,
+) -> SupervisedTraining<GptComponents<B>> {
+    let rank = strategy.rank.world.rank();
+    let (micro, context) = (config.train.micro_batch, data.model.context);
     let max_steps = config.train.max_steps as usize;
-    let train_loader =
-        TrainLoader::<B>::new(train, sampler, micro, context, max_steps, device.clone());
-    let eval_batches = config.train.eval_batches;
-    let eval_loader = EvalLoader::new(
-        val,
+    let sampler = progress.sampler.clone();
+    let train_loader = TrainLoader::<B>::new(
+        data.train,
+        sampler,
         micro,
         context,
-        eval_batches,
-        device_inner::<B>(&device),
+        max_steps,
+        device.clone(),
     );
-    let burn_dir = match world.size() {
-        1 => run_dir.join("burn-train"),
-        _ => run_dir.join("burn-train").join(format!("rank-{rank}")),
+    let eval_batches = config.train.eval_batches;
+    let eval_device = inner_device_of::<B>(device);
+    let eval_loader = EvalLoader::new(data.val, micro, context, eval_batches, eval_device);
+    let burn_dir = match strategy.rank.world.size() {
+        1 => config.run.dir.join("burn-train"),
+        _ => config
+            .run
+            .dir
+            .join("burn-train")
+            .join(format!("rank-{rank}")),
     };
     let mut training = SupervisedTraining::<GptComponents<B>>::new(
         burn_dir,
@@ -670,8 +838,7 @@ fn run_rank<B: TrainBackend>(
     if mfu_known {
         training = training.metric_train_numeric(StepScalar::<Mfu>::default());
     }
-    let pipelined = plan.schedule.num_stages() > 1;
-    if pipelined {
+    if strategy.rank.plan.schedule.num_stages() > 1 {
         training = training.metric_train_numeric(StepScalar::<Bubble>::default());
     }
     if rank != 0 {
@@ -679,78 +846,68 @@ fn run_rank<B: TrainBackend>(
     } else if !std::io::stdout().is_terminal() {
         training = training.renderer(LogRenderer::new(config.run.log_every as usize, mfu_known));
     }
-    if rank == 0 {
-        println!(
-            "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {n_train} \
-             train / {n_val} val tokens, steps {start_step}..{max_steps}",
-            model_config.parameter_count(),
-            model_config.n_layer,
-            model_config.n_head,
-            model_config.d_model,
-            model_config.context,
-        );
-        if pipelined {
-            println!("{}", describe_pipeline(&plan));
-        }
-        if dims.tp > 1 {
-            let vocab = split_ranges(model_config.vocab_size, dims.tp);
-            println!(
-                "tensor parallel: {} ranks{}, {} of {} heads and {}–{} of {} vocabulary rows per \
-                 rank",
-                dims.tp,
-                if parallel.sequence_parallel {
-                    " with sequence parallelism"
-                } else {
-                    ""
-                },
-                model_config.n_head / dims.tp,
-                model_config.n_head,
-                vocab.iter().map(|r| r.len()).min().unwrap_or(0),
-                vocab.iter().map(|r| r.len()).max().unwrap_or(0),
-                model_config.vocab_size,
-            );
-        }
-        if dims.dp > 1 || stage != ZeroStage::Zero0 {
-            println!(
-                "data parallel: {} ranks, {stage}{}, global batch {global_batch} sequences \
-                 ({} per rank per step), gradient buckets of {:.1} MiB",
-                dims.dp,
-                if parallel.offload_optimizer {
-                    " with optimizer offload"
-                } else {
-                    ""
-                },
-                global_batch / dims.dp,
-                parallel.bucket_mb,
-            );
-        }
-    }
-    // Everything the checkpoint held is in the model and optimizer now.
-    drop(resumed);
-    // The loop holds the model (see `StepLoop::model`); the learner keeps a placeholder copy,
-    // its optimizer is never stepped.
-    let placeholder = {
-        let _lock = graphs_lock();
-        model.map(&mut Placeholders { device })
-    };
-    let idle_optimizer =
-        SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
-    training.launch(Learner::new(placeholder, idle_optimizer, schedule));
+    training
+}
 
-    if let Some(error) = strategy
-        .error
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take()
-    {
-        return Err(error.context(format!("rank {rank}")));
+/// Prints what the run trains, on what, and over which layout.
+fn describe_run(
+    config: &RunConfig,
+    data: &Data,
+    plan: &PipelinePlan,
+    dims: ParallelDims,
+    progress: &Progress,
+) {
+    let (model, parallel) = (&data.model, &config.parallel);
+    println!(
+        "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {} train / {} \
+         val tokens, steps {}..{}",
+        model.parameter_count(),
+        model.n_layer,
+        model.n_head,
+        model.d_model,
+        model.context,
+        data.train.len(),
+        data.val.len(),
+        progress.start_step,
+        config.train.max_steps,
+    );
+    if plan.schedule.num_stages() > 1 {
+        println!("{}", describe_pipeline(plan));
     }
-    let losses = std::mem::take(&mut *strategy.losses.lock().unwrap_or_else(|p| p.into_inner()));
-    Ok(TrainOutcome {
-        run_dir,
-        steps: start_step + losses.len() as u64,
-        losses,
-    })
+    if dims.tp > 1 {
+        let vocab = split_ranges(model.vocab_size, dims.tp);
+        println!(
+            "tensor parallel: {} ranks{}, {} of {} heads and {}–{} of {} vocabulary rows per \
+             rank",
+            dims.tp,
+            if parallel.sequence_parallel {
+                " with sequence parallelism"
+            } else {
+                ""
+            },
+            model.n_head / dims.tp,
+            model.n_head,
+            vocab.iter().map(|r| r.len()).min().unwrap_or(0),
+            vocab.iter().map(|r| r.len()).max().unwrap_or(0),
+            model.vocab_size,
+        );
+    }
+    let stage = dims.zero;
+    if dims.dp > 1 || stage != ZeroStage::Replicated {
+        println!(
+            "data parallel: {} ranks, {stage}{}, global batch {} sequences ({} per rank per \
+             step), gradient buckets of {:.1} MiB",
+            dims.dp,
+            if parallel.offload_optimizer {
+                " with optimizer offload"
+            } else {
+                ""
+            },
+            progress.global_batch,
+            progress.global_batch / dims.dp,
+            parallel.bucket_mb,
+        );
+    }
 }
 
 /// Prints (rank 0) the bytes every rank holds for its model state.
@@ -761,19 +918,15 @@ fn report_state_bytes<B: TrainBackend>(
     offload: bool,
 ) -> anyhow::Result<()> {
     let bytes = optimizers.state_bytes();
-    let mine = HostTensor::new(
-        vec![
-            bytes.params as f64,
-            bytes.grads as f64,
-            bytes.optimizer_device as f64,
-            bytes.optimizer_host as f64,
-        ],
-        vec![1, 4],
-    );
-    let all = world.all_gather_host(mine, 0)?;
+    let all = world.all_gather_values(&[
+        bytes.params as f64,
+        bytes.grads as f64,
+        bytes.optimizer_device as f64,
+        bytes.optimizer_host as f64,
+    ])?;
     if world.rank() == 0 {
         let mib = |b: f64| b / f64::from(1 << 20);
-        for (rank, row) in all.data.chunks(4).enumerate() {
+        for (rank, row) in all.iter().enumerate() {
             println!(
                 "model state, rank {rank} ({stage}{}): parameters {:.2} MiB, gradients {:.2} MiB, \
                  optimizer {:.2} MiB on the device + {:.2} MiB in host memory",

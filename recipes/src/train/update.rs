@@ -1,20 +1,16 @@
 //! The GPT's side of the data-parallel update (the update itself is
-//! `wildfire_parallel::update`): its optimizer type, its ZeRO layout (a unit per block, the
-//! tied embedding alone in its bucket), and the parameters another rank counts in the norm.
+//! `wildfire_parallel::update`, the optimizer type `crate::optim::Optimizers`): its ZeRO
+//! layout (a unit per block, the tied embedding alone in its bucket), and the parameters another
+//! rank counts in the norm.
 
 use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
+use wildfire_parallel::checkpoint::module::ModuleLayout;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::TiedCopies;
-use wildfire_parallel::update::Update;
 
-use crate::checkpoint::ModuleLayout;
 use crate::model::{GptChunks, TIED_COPY};
-use crate::optim::GptOptimizer;
-
-/// The optimizer of a run, with its data-parallel reduction.
-pub type Optimizers<B> = Update<B, GptOptimizer<GptChunks<B>, B>>;
 
 /// The ZeRO layout of `model`'s parameters: one unit per chunk under stage 3 (each chunk is one
 /// block there), the tied embedding alone in its bucket. Under stage 3 the head's copy of the
@@ -29,7 +25,7 @@ pub fn zero_layout<B: AutodiffBackend>(
         first: embedding,
         second: copy,
     } = model.tied_embedding();
-    let units = stage == ZeroStage::Three;
+    let units = stage == ZeroStage::ShardParameters;
     let specs: Vec<ParamSpec> = model
         .chunks
         .iter()

@@ -1,6 +1,6 @@
 //! Checkpoints written while training goes on (`checkpoint.async = true`).
 //!
-//! At a save every rank copies what it writes to host memory ([`super::snapshot`]) and rank 0
+//! At a save every rank copies what it writes to host memory (a [`Snapshot`]) and rank 0
 //! creates the staging directory; then each rank's writer thread writes its shard while the
 //! rank trains on. The collectives of a synchronous save would run beside the training's own on
 //! the same group, so the writers meet in the staging directory instead: each rank other than 0
@@ -17,13 +17,11 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use wildfire_backend::comm::ProcessGroup;
 
 use super::crash::{CrashPoint, crash_point};
-use super::distributed::{all_gather_json, outcome, stage};
-use super::store::{self, FileEntry};
-use super::{Snapshot, prune};
+use super::distributed::{Snapshot, outcome, stage};
+use super::store::{self, CheckpointError, FileEntry};
 
 /// A rank's checkpoint writer thread, and the write it has in flight.
 #[derive(Debug, Default)]
@@ -41,7 +39,7 @@ impl BackgroundWriter {
         snapshot: Snapshot,
         world: &ProcessGroup,
         keep_last: usize,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), CheckpointError> {
         self.wait(world)?;
         let step = snapshot.step;
         let job = Job {
@@ -55,33 +53,36 @@ impl BackgroundWriter {
         let thread = std::thread::Builder::new()
             .name(format!("checkpoint-{step}"))
             .spawn(move || job.run(snapshot))
-            .context("cannot start the checkpoint writer thread")?;
+            .map_err(|e| CheckpointError::Rank {
+                who: format!("rank {}", world.rank()),
+                reason: format!("cannot start the checkpoint writer thread: {e}"),
+            })?;
         self.pending = Some((step, thread));
         Ok(())
     }
 
     /// Waits for the write in flight, if any, and fails if it failed on any rank of `world`
     /// (naming it). Every rank calls this at the same point of the run.
-    pub fn wait(&mut self, world: &ProcessGroup) -> anyhow::Result<()> {
+    pub fn wait(&mut self, world: &ProcessGroup) -> Result<(), CheckpointError> {
         let Some((step, thread)) = self.pending.take() else {
             return Ok(());
         };
-        let result = joined(thread);
-        for (rank, result) in all_gather_json(world, &result)?.into_iter().enumerate() {
-            outcome(result, &format!("rank {rank}"))
-                .with_context(|| format!("the checkpoint of step {step}"))?;
+        let result = joined(thread).map_err(|e| format!("the checkpoint of step {step}: {e}"));
+        for (rank, result) in world.all_gather_json(&result)?.into_iter().enumerate() {
+            outcome(result, &format!("rank {rank}"))?;
         }
         Ok(())
     }
 
     /// Waits for the write in flight without the other ranks (when the run stopped at an
     /// error, and they may not come): its error, if it failed here.
-    pub fn wait_alone(&mut self) -> Option<anyhow::Error> {
+    pub fn wait_alone(&mut self) -> Option<CheckpointError> {
         let (step, thread) = self.pending.take()?;
         let error = joined(thread).err()?;
-        Some(anyhow::anyhow!(
-            "the checkpoint of step {step} failed: {error}"
-        ))
+        Some(CheckpointError::Rank {
+            who: "this rank".into(),
+            reason: format!("the checkpoint of step {step}: {error}"),
+        })
     }
 }
 
@@ -170,7 +171,18 @@ impl Job {
 impl Drop for BackgroundWriter {
     fn drop(&mut self) {
         if let Some(error) = self.wait_alone() {
-            eprintln!("warning: {error:#}");
+            eprintln!("warning: {error}");
         }
+    }
+}
+
+/// Keeps the newest `keep_last` committed checkpoints under `root` (0 keeps all). Pruning is
+/// rank 0's alone, and failing it only warns: it must not stop rank 0 while the others go on.
+pub fn prune(root: &Path, keep_last: usize) {
+    if keep_last == 0 {
+        return;
+    }
+    if let Err(error) = store::prune(root, keep_last) {
+        eprintln!("warning: old checkpoints were not pruned: {error}");
     }
 }

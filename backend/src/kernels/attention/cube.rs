@@ -1,5 +1,5 @@
 //! FlashAttention-2 as CubeCL kernels, generic over the runtime (CUDA, wgpu), for f32, f16 and
-//! bf16 inputs computed in f32. The math is the reference's ([`super::attention`]); these are
+//! bf16 inputs computed in f32. The math is the reference's ([`super`]); these are
 //! its tiles written as kernels.
 //!
 //! Tensors are `[batch, heads, seq, d]`, made contiguous first. A cube owns `TILE` (32) rows of
@@ -24,10 +24,10 @@
 //! tensor-core (`cmma`) inner products are what GPU throughput needs next.
 //!
 //! **Lavapipe's loop cap.** Lavapipe stops an invocation's loops once they have run 65535
-//! iterations together ([`super::route::LOOP_ITERATION_CAP`]), silently. The walks over a row's
+//! iterations together ([`crate::kernels::route::LOOP_ITERATION_CAP`]), silently. The walks over a row's
 //! `d` columns step by `UNROLL` (32) columns, unrolled, so the forward, the heavier, runs about
 //! `(2⌈d/32⌉ + 2)·seq` iterations. On a wgpu device that may be lavapipe
-//! ([`super::route::loops_capped`]) the kernels decline shapes past the cap (lengths above about
+//! ([`crate::kernels::route::loops_capped`]) the kernels decline shapes past the cap (lengths above about
 //! 6400 at head dim 128, 16 000 at 32). Unrolling whole rows instead (a compile-time `d`)
 //! would lift the cap to about 32 000 at any head dim, but lavapipe then took 40 s to compile the
 //! kernels at head dim 32 and 4 minutes at 64.
@@ -39,7 +39,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::route::{LOOP_ITERATION_CAP, loops_capped};
+use crate::kernels::route::{LOOP_ITERATION_CAP, loops_capped};
 
 /// A score below every real one: `e^(MASKED − m)` is 0 for any finite `m`.
 const MASKED: f32 = -1.0e30;

@@ -23,7 +23,7 @@
 //! passes and reductions, each on one thread on Flex.
 //!
 //! `x` in f32, f16 or bf16 comes back in its type; `γ` and `β` may be in any float type. On Flex
-//! in f32 the passes are the loops of [`super::flex`] (rows in parallel); elsewhere the
+//! in f32 the passes are the loops of [`flex`] (rows in parallel); elsewhere the
 //! reference in Burn ops.
 
 use std::marker::PhantomData;
@@ -41,8 +41,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata};
 
 use super::route::on_flex;
-use super::{as_rows, cast_primitive, flex, in_dtype, tensor};
+use super::{as_rows, cast_primitive, in_dtype, tensor};
 use crate::Parallel;
+
+pub mod flex;
 
 /// A backend with the fused LayerNorm (see the module doc) on `x: [.., n]` with `γ, β: [n]`,
 /// whose autodiff backward is the fused one.

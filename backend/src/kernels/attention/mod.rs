@@ -1,6 +1,6 @@
 //! Fused attention with FlashAttention-2's algorithm: the reference implementation in Burn
 //! tensor ops, which runs on every backend, and the autodiff op that routes to the CubeCL
-//! kernels ([`super::flash`]) or Flex's native code ([`super::flex`]) where they run.
+//! kernels ([`cube`]) or Flex's native code ([`flex`]) where they run.
 //!
 //! For one head, with `Q, K, V: [T, d]`, scale `s = 1/√d` and (causal) `M_ij = −∞` for `j > i`:
 //!
@@ -45,9 +45,11 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::route::{CubeKernel, on_cube, on_flex};
-use super::{flash, flex};
 use super::{in_dtype, tensor};
 use crate::Parallel;
+
+pub mod cube;
+pub mod flex;
 
 /// The key-block size of the reference: the tile of scores is `seq × REFERENCE_BLOCK`.
 pub const REFERENCE_BLOCK: usize = 64;
@@ -286,34 +288,34 @@ fn primitive<B: Backend>(tensor: Tensor<B, 4>) -> FloatTensor<B> {
     tensor.into_primitive().tensor()
 }
 
-/// FlashAttention-2's forward kernel ([`flash::forward`]).
+/// FlashAttention-2's forward kernel ([`cube::forward`]).
 struct FlashForward {
     causal: bool,
 }
 
 impl CubeKernel<3, 2> for FlashForward {
     fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 3]) -> Option<[CubeTensor<R>; 2]> {
-        if let Some(reason) = flash::unsupported(&inputs) {
+        if let Some(reason) = cube::unsupported(&inputs) {
             log::debug!("fused attention runs the reference: {reason}");
             return None;
         }
         let [query, key, value] = inputs;
-        let (output, logsumexp) = flash::forward(query, key, value, self.causal);
+        let (output, logsumexp) = cube::forward(query, key, value, self.causal);
         Some([output, logsumexp])
     }
 }
 
-/// FlashAttention-2's backward kernels ([`flash::backward`]).
+/// FlashAttention-2's backward kernels ([`cube::backward`]).
 struct FlashBackward {
     causal: bool,
 }
 
 impl CubeKernel<6, 3> for FlashBackward {
     fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 6]) -> Option<[CubeTensor<R>; 3]> {
-        if flash::unsupported(&inputs).is_some() {
+        if cube::unsupported(&inputs).is_some() {
             return None;
         }
-        Some(flash::backward(inputs, self.causal))
+        Some(cube::backward(inputs, self.causal))
     }
 }
 

@@ -1,0 +1,246 @@
+//! The CubeCL kernels: the forward is the epilogue kernel the mixed-precision matmul also runs
+//! after its product; the backward computes `dy ∘ g'(x + b)` in f32 in one pass.
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::{cast, into_contiguous};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use crate::kernels::route::CubeKernel;
+
+/// GELU's `c`, `a` and exponent clamp in f32 (see the module doc).
+const C: f32 = super::GELU_C as f32;
+const A: f32 = super::GELU_A as f32;
+const CLAMP: f32 = super::GELU_EXPONENT_CLAMP as f32;
+
+/// GELU's exponent `E = −2c(z + a·z³)`.
+#[cube]
+fn exponent(z: f32) -> f32 {
+    -2.0f32 * f32::new(C) * (z + f32::new(A) * z * z * z)
+}
+
+/// GPT-2's GELU in f32, `z / (1 + e^min(E, 80))` (the form of `gelu_tanh_f32`).
+#[cube]
+fn gelu(z: f32) -> f32 {
+    z / (1.0f32 + min(exponent(z), f32::new(CLAMP)).exp())
+}
+
+/// `g'(z)` of the clamped form (see the module doc).
+#[cube]
+fn gelu_slope(z: f32) -> f32 {
+    let e = exponent(z);
+    let s = 1.0f32 / (1.0f32 + min(e, f32::new(CLAMP)).exp());
+    let mut slope = s;
+    if e < f32::new(CLAMP) {
+        let growth = 1.0f32 + 3.0f32 * f32::new(A) * z * z;
+        slope += z * s * (1.0f32 - s) * 2.0f32 * f32::new(C) * growth;
+    }
+    slope
+}
+
+/// One unit per element of `input: [.., columns]`:
+/// `out[i] = O(g(input[i] + bias[i mod columns]))`, the bias and `g` (GELU) each optional.
+#[cube(launch_unchecked)]
+fn epilogue_kernel<I: Float, O: Float>(
+    input: &Tensor<I>,
+    bias: &Tensor<f32>,
+    out: &mut Tensor<O>,
+    columns: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] apply_gelu: bool,
+    #[define(I, O)] _dtypes: [StorageType; 2],
+) {
+    let index = ABSOLUTE_POS;
+    if index < out.len() {
+        let mut value = f32::cast_from(input[index]);
+        if has_bias {
+            value += bias[index % columns];
+        }
+        if apply_gelu {
+            value = gelu(value);
+        }
+        out[index] = O::cast_from(value);
+    }
+}
+
+/// One unit per element: `grad[i] = dy[i]·g'(x[i] + bias[i mod columns])`, in f32.
+#[cube(launch_unchecked)]
+fn bias_gelu_grad_kernel<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<f32>,
+    output_grad: &Tensor<F>,
+    grad: &mut Tensor<f32>,
+    columns: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let index = ABSOLUTE_POS;
+    if index < grad.len() {
+        let z = f32::cast_from(x[index]) + bias[index % columns];
+        grad[index] = f32::cast_from(output_grad[index]) * gelu_slope(z);
+    }
+}
+
+/// An empty contiguous tensor of `shape` and `dtype` on `like`'s device.
+fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+/// The cube count and cube dim of a launch with one unit per element of `out`.
+fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let elements = out.meta.shape().num_elements();
+    let cube_dim = CubeDim::new(&out.client, elements);
+    let cubes = calculate_cube_count_elemwise(&out.client, elements, cube_dim);
+    (cubes, cube_dim)
+}
+
+/// [`epilogue_kernel`] on `input` (`[.., columns]`, any kernel float type): the bias added
+/// when there is one, then GELU when `gelu`, written in `output`'s type.
+pub(crate) fn epilogue<R: CubeRuntime>(
+    input: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
+    columns: usize,
+    gelu: bool,
+    output: DType,
+) -> CubeTensor<R> {
+    let input = into_contiguous(input);
+    let has_bias = bias.is_some();
+    // Without a bias the kernel reads none; one element stands in for the binding.
+    let bias = match bias {
+        Some(bias) => into_contiguous(cast(bias, DType::F32)),
+        None => empty_like(&input, Shape::new([1]), DType::F32),
+    };
+    let out = empty_like(&input, input.meta.shape().clone(), output);
+    let client = input.client.clone();
+    let (cubes, cube_dim) = elementwise_grid(&out);
+    let dtypes = [input.dtype.into(), output.into()];
+    // SAFETY: `input` and `out` are contiguous with the same shape, the kernel writes only
+    // indices below `out.len()`, and reads `bias` (of `columns` elements, checked by the
+    // callers) modulo `columns` only when there is one.
+    unsafe {
+        epilogue_kernel::launch_unchecked(
+            &client,
+            cubes,
+            cube_dim,
+            input.into_tensor_arg(),
+            bias.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            columns,
+            has_bias,
+            gelu,
+            dtypes,
+        )
+    };
+    out
+}
+
+/// The forward kernel on `x: [.., columns]` and `bias: [columns]`: `g(x + b)` in `x`'s
+/// type; or why it does not take them (a dtype outside f32, f16 and bf16 or one the device
+/// lacks, mismatched shapes).
+pub fn forward_kernel<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    bias: CubeTensor<R>,
+) -> Result<CubeTensor<R>, String> {
+    let columns = checked_columns(&x, &bias, None)?;
+    let dtype = x.dtype;
+    Ok(epilogue(x, Some(bias), columns, true, dtype))
+}
+
+/// The backward kernel ([`bias_gelu_grad_kernel`]) on `x: [.., columns]`,
+/// `bias: [columns]` and `output_grad` (`x`'s shape and type): `dy ∘ g'(x + b)` in f32; or
+/// why it does not take them.
+pub fn backward_kernel<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+) -> Result<CubeTensor<R>, String> {
+    let columns = checked_columns(&x, &bias, Some(&output_grad))?;
+    let [x, output_grad] = [x, output_grad].map(into_contiguous);
+    let bias = into_contiguous(cast(bias, DType::F32));
+    let grad = empty_like(&x, x.meta.shape().clone(), DType::F32);
+    let client = x.client.clone();
+    let (cubes, cube_dim) = elementwise_grid(&grad);
+    let dtype = x.dtype.into();
+    // SAFETY: `x`, `output_grad` and `grad` are contiguous with the same shape (checked by
+    // `checked_columns`), the kernel touches only indices below `grad.len()`, and reads
+    // `bias` (of `columns` elements) modulo `columns`.
+    unsafe {
+        bias_gelu_grad_kernel::launch_unchecked(
+            &client,
+            cubes,
+            cube_dim,
+            x.into_tensor_arg(),
+            bias.into_tensor_arg(),
+            output_grad.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            columns,
+            dtype,
+        )
+    };
+    Ok(grad)
+}
+
+/// The columns of `x: [.., columns]` once `x`, `bias: [columns]` and any `like_x`
+/// (tensors of `x`'s shape and type) are ones the kernels take; or why they are not.
+fn checked_columns<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    bias: &CubeTensor<R>,
+    like_x: Option<&CubeTensor<R>>,
+) -> Result<usize, String> {
+    let properties = x.client.properties();
+    for dtype in [x.dtype, bias.dtype] {
+        if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
+            return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
+        }
+        if !properties.supports_type(dtype) {
+            return Err(format!("the device has no {dtype:?} arithmetic"));
+        }
+    }
+    let (shape, bias_shape) = (x.meta.shape(), bias.meta.shape());
+    let columns = shape[shape.num_dims() - 1];
+    if bias_shape.num_dims() != 1 || bias_shape[0] != columns || shape.num_elements() == 0 {
+        return Err(format!("input {shape:?} with bias {bias_shape:?}"));
+    }
+    if let Some(other) = like_x
+        && (other.meta.shape() != shape || other.dtype != x.dtype)
+    {
+        return Err(format!(
+            "gradient {:?} {:?} for input {shape:?} {:?}",
+            other.meta.shape(),
+            other.dtype,
+            x.dtype
+        ));
+    }
+    Ok(columns)
+}
+
+/// A kernel's output for the router: `None` (logged) sends the call to the reference.
+fn routed<R: CubeRuntime>(result: Result<CubeTensor<R>, String>) -> Option<[CubeTensor<R>; 1]> {
+    result
+        .inspect_err(|reason| log::debug!("bias + GELU runs the reference: {reason}"))
+        .ok()
+        .map(|out| [out])
+}
+
+/// [`forward_kernel`] for the router.
+pub(super) struct Forward;
+
+impl CubeKernel<2, 1> for Forward {
+    fn launch<R: CubeRuntime>(&self, [x, bias]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
+        routed(forward_kernel(x, bias))
+    }
+}
+
+/// [`backward_kernel`] for the router.
+pub(super) struct Backward;
+
+impl CubeKernel<3, 1> for Backward {
+    fn launch<R: CubeRuntime>(
+        &self,
+        [x, bias, output_grad]: [CubeTensor<R>; 3],
+    ) -> Option<[CubeTensor<R>; 1]> {
+        routed(backward_kernel(x, bias, output_grad))
+    }
+}
