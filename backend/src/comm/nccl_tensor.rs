@@ -56,8 +56,8 @@ use super::error::CommError;
 use super::group::ProcessGroup;
 use super::layout::split_sizes;
 use super::mailbox::OpKind;
-use super::nccl::{UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id};
-use super::nccl_device::{NcclComm, NcclMember};
+use super::nccl::{NcclLibrary, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id};
+use super::nccl_device::{NcclComm, NcclMember, check_cuda_driver};
 use crate::typecast::{cast, same};
 
 /// burn-cuda's tensor primitive (float, int and bool alike).
@@ -140,6 +140,9 @@ fn agree_unique_id(group: &ProcessGroup) -> Result<UniqueId, CommError> {
 /// the group when its ranks are threads of one process; the ranks meet (within the deadline)
 /// before joining, since joining waits for every rank without a deadline of its own.
 fn join_group(group: &ProcessGroup, ordinal: usize) -> Result<NcclComm, CommError> {
+    // Every rank first finds the driver and the library, so that none waits on a rank that fails.
+    check_cuda_driver()?;
+    NcclLibrary::get()?;
     let id = agree_unique_id(group)?;
     let member = NcclMember {
         group: group.describe(),
