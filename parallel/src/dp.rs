@@ -126,6 +126,31 @@ impl FlatLayout {
         Self::new(&param_specs(module), bucket_bytes)
     }
 
+    /// The layout of the float parameters of `units` (modules, in order): unit `i` is
+    /// `units[i]` when `by_unit` (ZeRO 3 gathers a unit at a time), every parameter in unit 0
+    /// otherwise; the parameters in `alone` get buckets of their own (a tied parameter whose
+    /// gradient another rank also sums), and those in `left_out` are not in it (a copy that is
+    /// gathered from its original).
+    pub fn of_units<B: Backend, M: Module<B>>(
+        units: &[M],
+        by_unit: bool,
+        alone: &[ParamId],
+        left_out: &[ParamId],
+        bucket_bytes: usize,
+    ) -> Self {
+        let specs: Vec<ParamSpec> = (units.iter().enumerate())
+            .flat_map(|(index, unit)| {
+                param_specs(unit).into_iter().map(move |spec| ParamSpec {
+                    unit: if by_unit { index } else { 0 },
+                    alone: alone.contains(&spec.id),
+                    ..spec
+                })
+            })
+            .filter(|spec| !left_out.contains(&spec.id))
+            .collect();
+        Self::new(&specs, bucket_bytes)
+    }
+
     pub fn numel(&self) -> usize {
         self.buckets.iter().map(|b| b.numel).sum()
     }
@@ -426,6 +451,44 @@ mod tests {
         assert_eq!(layout.buckets.len(), 3);
         assert_eq!(layout.buckets[1].slots[0].param, lone);
         assert_eq!(layout.buckets[0].unit, 1);
+    }
+
+    /// Two Burn `Linear` layers as units: by unit, each layer's parameters are its unit's; a
+    /// parameter named alone has a bucket of its own, and one left out is in none.
+    #[test]
+    fn modules_become_units_with_lone_and_left_out_parameters() {
+        use burn::backend::Flex;
+        use burn::nn::LinearConfig;
+
+        let device = Default::default();
+        let units = [
+            LinearConfig::new(3, 2).init::<Flex>(&device),
+            LinearConfig::new(2, 2).init::<Flex>(&device),
+        ];
+        let (lone, left_out) = (units[0].weight.id, units[1].weight.id);
+        let unit_of = |layout: &FlatLayout| -> Vec<(ParamId, usize, bool)> {
+            (layout.buckets.iter())
+                .flat_map(|b| b.slots.iter().map(|s| (s.param.id, b.unit, s.param.alone)))
+                .collect()
+        };
+        let layout = FlatLayout::of_units(&units, true, &[lone], &[left_out], 1 << 20);
+        let placed = unit_of(&layout);
+        assert_eq!(placed.len(), 3, "the left-out weight is in no bucket");
+        assert!(!placed.iter().any(|(id, ..)| *id == left_out));
+        assert!(placed.contains(&(lone, 0, true)));
+        let bias = |unit: usize| units[unit].bias.as_ref().unwrap().id;
+        assert!(placed.contains(&(bias(0), 0, false)));
+        assert!(placed.contains(&(bias(1), 1, false)));
+        let lone_bucket = layout.buckets.iter().find(|b| b.slots[0].param.id == lone);
+        assert_eq!(lone_bucket.map(|b| b.slots.len()), Some(1));
+
+        let whole = FlatLayout::of_units(&units, false, &[], &[], 1 << 20);
+        assert!(
+            unit_of(&whole)
+                .iter()
+                .all(|&(_, unit, alone)| unit == 0 && !alone)
+        );
+        assert_eq!(whole.numel(), 3 * 2 + 2 + 2 * 2 + 2);
     }
 
     #[test]

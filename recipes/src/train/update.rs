@@ -6,7 +6,7 @@
 use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_parallel::checkpoint::module::ModuleLayout;
-use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
+use wildfire_parallel::dp::FlatLayout;
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::TiedCopies;
 
@@ -21,27 +21,11 @@ pub fn zero_layout<B: AutodiffBackend>(
     stage: ZeroStage,
     bucket_bytes: usize,
 ) -> FlatLayout {
-    let TiedCopies {
-        first: embedding,
-        second: copy,
-    } = model.tied_embedding();
-    let units = stage == ZeroStage::ShardParameters;
-    let specs: Vec<ParamSpec> = model
-        .chunks
-        .iter()
-        .enumerate()
-        .flat_map(|(index, chunk)| {
-            dp::param_specs(chunk)
-                .into_iter()
-                .map(move |spec| ParamSpec {
-                    unit: if units { index } else { 0 },
-                    alone: [embedding, copy].contains(&Some(spec.id)),
-                    ..spec
-                })
-        })
-        .filter(|spec| !(units && Some(spec.id) == copy))
-        .collect();
-    FlatLayout::new(&specs, bucket_bytes)
+    let TiedCopies { first, second } = model.tied_embedding();
+    let by_unit = stage == ZeroStage::ShardParameters;
+    let alone: Vec<_> = [first, second].into_iter().flatten().collect();
+    let left_out: Vec<_> = second.filter(|_| by_unit).into_iter().collect();
+    FlatLayout::of_units(&model.chunks, by_unit, &alone, &left_out, bucket_bytes)
 }
 
 /// The parameters of `model` whose gradients another rank of its replica puts into the norm:
