@@ -105,7 +105,7 @@ where
     Mlp<B>: AutodiffModule<B>,
 {
     let (model, layout) = build::<B>(run, sequence_parallel, group)?;
-    let partial = SequencePartial::of(&model, &plan(group, sequence_parallel));
+    let partial = SequencePartial::of(&model, &layout.plan);
     let (mut model, mut optimizer, start) = checkpoints::resume(
         run.checkpoints.as_ref(),
         &layout,

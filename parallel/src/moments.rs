@@ -407,7 +407,7 @@ mod tests {
     use std::time::Duration;
 
     use burn::backend::Flex;
-    use wildfire_backend::comm::CommOptions;
+    use wildfire_backend::comm::{CommOptions, run_thread_ranks};
 
     use super::*;
 
@@ -427,36 +427,34 @@ mod tests {
         }
     }
 
-    fn groups(ranks: usize) -> Vec<ProcessGroup> {
-        let options = CommOptions {
+    fn options() -> CommOptions {
+        CommOptions {
             timeout: Duration::from_secs(20),
             debug: true,
-        };
-        ProcessGroup::local_world(ranks, options).unwrap()
+        }
+    }
+
+    fn groups(ranks: usize) -> Vec<ProcessGroup> {
+        ProcessGroup::local_world(ranks, options()).unwrap()
     }
 
     #[test]
     fn disjoint_pieces_of_two_ranks_sum_to_the_whole_moments() {
         // Parameters of 3 and 2 elements; rank 0 holds 0..2 of the first, rank 1 the rest;
         // the second parameter was never stepped.
-        let pieces = [
-            vec![piece(0, 0, &[1.0, -2.0], &[4.0, 5.0])],
-            vec![piece(0, 2, &[3.0], &[6.0])],
-        ];
-        let handles: Vec<_> = (groups(2).into_iter().zip(pieces))
-            .map(|(group, pieces)| {
-                std::thread::spawn(move || {
-                    let saved = SavedMoments {
-                        whole: false,
-                        ranks: 2,
-                        pieces,
-                    };
-                    WholeMoments::assemble(saved, &[3, 2], &group).unwrap()
-                })
-            })
-            .collect();
-        for handle in handles {
-            let whole = handle.join().unwrap();
+        let wholes = run_thread_ranks(2, options(), Duration::from_secs(60), |group| {
+            let pieces = match group.rank() {
+                0 => vec![piece(0, 0, &[1.0, -2.0], &[4.0, 5.0])],
+                _ => vec![piece(0, 2, &[3.0], &[6.0])],
+            };
+            let saved = SavedMoments {
+                whole: false,
+                ranks: 2,
+                pieces,
+            };
+            WholeMoments::assemble(saved, &[3, 2], &group).unwrap()
+        });
+        for whole in wholes {
             let first = whole.params[0]
                 .as_ref()
                 .expect("the first parameter has moments");

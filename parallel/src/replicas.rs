@@ -14,7 +14,7 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use wildfire_backend::comm::{CommError, HostTensor, ProcessGroup, fnv1a};
+use wildfire_backend::comm::{CommError, ProcessGroup, fnv1a};
 
 /// Why the replicas could not be made or found identical.
 #[derive(Debug, thiserror::Error)]
@@ -154,10 +154,7 @@ pub fn verify_replicas<B: Backend, M: Module<B>>(
         })
         .collect();
     let count = names.len();
-    let all = group.all_gather_host(HostTensor::new(mine, vec![1, 2 * count]), 0)?;
-    let hashes: Vec<Vec<u64>> = all
-        .data
-        .chunks(2 * count.max(1))
+    let hashes: Vec<Vec<u64>> = (group.all_gather_values(&mine)?.iter())
         .map(|rank| {
             rank.chunks(2)
                 .map(|pair| ((pair[0] as u64) << 32) | pair[1] as u64)

@@ -23,12 +23,13 @@ use super::slices::to_slice;
 use super::store::{CheckpointError, TensorSlice, invalid_slice};
 use crate::paths::{ParamFn, for_each_param};
 
-/// The stored names of a parameter's moments: the first, the second, and AMSGrad's running
-/// maximum of the second (when the optimizer keeps it).
-const EXP_AVG: &str = "optim.exp_avg.";
-const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
-const MAX_EXP_AVG_SQ: &str = "optim.max_exp_avg_sq.";
-const STEP: &str = "optim.step.";
+/// The prefixes of the stored names of a parameter's moments (PyTorch's names): the first, the
+/// second, AMSGrad's running maximum of the second (when the optimizer keeps it), and the step
+/// count.
+pub const EXP_AVG: &str = "optim.exp_avg.";
+pub const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
+pub const MAX_EXP_AVG_SQ: &str = "optim.max_exp_avg_sq.";
+pub const STEP: &str = "optim.step.";
 
 /// An optimizer whose per-parameter state is Burn's adaptive momentum: a step count and moments
 /// shaped as the parameter, updated elementwise (Adam's and AdamW's).

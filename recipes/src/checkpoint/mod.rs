@@ -44,12 +44,10 @@ use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 use burn::module::ParamId;
 use store::{Dtype, TensorSlice};
 pub use wildfire_parallel::checkpoint::module::ModuleLayout;
+use wildfire_parallel::checkpoint::optimizer::{EXP_AVG, EXP_AVG_SQ};
 use wildfire_parallel::checkpoint::slices::{join_slices, part_slices};
 use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
 use wildfire_parallel::tp::TpPlan;
-
-const EXP_AVG: &str = "optim.exp_avg.";
-const EXP_AVG_SQ: &str = "optim.exp_avg_sq.";
 
 /// The parameter a stored tensor belongs to: a moment's parameter, or the tensor itself.
 fn param_of(stored: &str) -> &str {

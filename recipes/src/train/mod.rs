@@ -216,7 +216,7 @@ impl<B: TrainBackend> StepLoop<B> {
             0 => stats.loss,
             _ => 0.0,
         };
-        let loss_sum = self.world_sum(loss)?;
+        let loss_sum = self.rank.world.sum_value(loss)?;
         let pipeline = self.pipeline_record(&stats)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
@@ -305,11 +305,6 @@ impl<B: TrainBackend> StepLoop<B> {
             .rank
             .sequence_partial
             .sum::<B::InnerBackend>(grads, group)?)
-    }
-
-    /// `value` summed over every rank (itself on one rank).
-    fn world_sum(&self, value: f64) -> anyhow::Result<f64> {
-        Ok(self.rank.world.sum_value(value)?)
     }
 
     /// Every pipeline rank's bubble and peak activations, next to the schedule's theory
@@ -493,12 +488,12 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
             let last = done == settings.max_steps;
             // Every rank stops together: a stop request or a failed metrics write on any rank
             // stops all of them (after the checkpoint below).
-            let stop = match self.world_sum(f64::from(u8::from(
+            let stop = match self.rank.world.sum_value(f64::from(u8::from(
                 components.interrupter.should_stop() || !logged,
             ))) {
                 Ok(votes) => votes > 0.0,
                 Err(error) => {
-                    self.record_error(error);
+                    self.record_error(error.into());
                     break;
                 }
             };
