@@ -41,6 +41,10 @@ pub enum UpdateError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Zero(#[from] ZeroError),
+    #[error("the Learner ran no optimizer step to report on")]
+    NoStep,
+    #[error("data parallelism takes one device's gradients per rank, not {0}")]
+    Devices(usize),
 }
 
 /// The groups an update communicates over.

@@ -10,6 +10,7 @@ use burn::optim::{AdamWState, GradientsParams, Optimizer, SimpleOptimizer};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_parallel::learner_update::LearnerUpdate;
 use wildfire_parallel::update::Update;
 
 use crate::config::TrainSection;
@@ -135,6 +136,10 @@ pub type GptOptimizer<M, B> = SharedOptimizer<OptimizerAdaptor<MatrixDecayAdamW,
 
 /// The optimizer of a run, with its data-parallel reduction (`wildfire_parallel::update`).
 pub type Optimizers<B> = Update<B, GptOptimizer<GptChunks<B>, B>>;
+
+/// The run's optimizer as burn-train's `Learner` holds it (see
+/// `wildfire_parallel::learner_update`).
+pub type LearnerOptimizer<B> = LearnerUpdate<B, GptOptimizer<GptChunks<B>, B>>;
 
 /// Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `max_steps`:
 ///

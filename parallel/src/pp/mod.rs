@@ -6,7 +6,8 @@
 //! training: matched sends and receives, backward after forward, no deadlock (all ranks
 //! simulated) and bounded in-flight activations, and times it to measure its bubble.
 //! [`run_step`] runs one rank's actions on its model chunks ([`PipelineChunk`]) for a training
-//! step; [`run_forward`] runs micro-batches forward only (evaluation). A parameter two stages
+//! step; [`run_forward`] runs micro-batches forward only (evaluation); [`PipelineReport`] gathers
+//! every rank's measured bubble. A parameter two stages
 //! share (a tied embedding) is a copy on each, and [`TiedCopies`] gives both the summed gradient.
 //!
 //! ```
@@ -22,6 +23,7 @@
 pub mod check;
 pub mod executor;
 pub mod partition;
+pub mod report;
 pub mod schedule;
 pub mod tied;
 
@@ -30,5 +32,6 @@ pub use executor::{
     PipelineChunk, PipelineError, StepResult, StepStats, graphs_lock, run_forward, run_step,
 };
 pub use partition::{PartitionError, partition};
+pub use report::PipelineReport;
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, theoretical_bubble};
 pub use tied::TiedCopies;

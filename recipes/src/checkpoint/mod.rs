@@ -9,11 +9,10 @@
 //! **Who writes what.** Each rank writes only what it holds, once: a pipeline rank its stages;
 //! of data-parallel replicas only the first writes what they all hold (parameters, and moments
 //! under ZeRO 0); under ZeRO 1–3 every rank writes its owned parts of the moments (and under
-//! ZeRO 3 of the parameters) as pieces of the flattened tensor: global shape `[numel]`, offset
-//! and length in it. Under tensor parallelism a rank writes the boxes of the global tensors it
+//! ZeRO 3 of the parameters) as pieces of the flattened tensor (see
+//! `wildfire_parallel::checkpoint::zero`). Under tensor parallelism a rank writes the boxes of the global tensors it
 //! holds (a fused QKV part is 3 boxes) and, of a tensor every tensor-parallel rank holds whole,
-//! only the first rank writes it; ZeRO's pieces of a split parameter flatten the rank's part,
-//! so they are stored under the part's name, `name@tp{r}of{s}`. Loading joins the pieces and
+//! only the first rank writes it. Loading joins the pieces and
 //! boxes of every file (and places the parts into the whole tensors), so a checkpoint resumes
 //! under any ZeRO stage, pipeline layout and tensor-parallel degree.
 
@@ -42,20 +41,14 @@ use crate::model::params::{ParamFn, collect_params, load_params, param_names};
 use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 use burn::module::ParamId;
-use store::{Dtype, TensorSlice};
 pub use wildfire_parallel::checkpoint::module::ModuleLayout;
 use wildfire_parallel::checkpoint::optimizer::{EXP_AVG, EXP_AVG_SQ};
-use wildfire_parallel::checkpoint::slices::{join_slices, part_slices};
-use wildfire_parallel::fsdp::{FullMoments, Piece, ZeroStage};
+use wildfire_parallel::checkpoint::slices::join_slices;
+use wildfire_parallel::checkpoint::zero::{
+    ZeroSlices, gather_union, join_tensor_parallel_parts, param_of, shaped,
+};
+use wildfire_parallel::fsdp::{FullMoments, ZeroStage};
 use wildfire_parallel::tp::TpPlan;
-
-/// The parameter a stored tensor belongs to: a moment's parameter, or the tensor itself.
-fn param_of(stored: &str) -> &str {
-    stored
-        .strip_prefix(EXP_AVG)
-        .or_else(|| stored.strip_prefix(EXP_AVG_SQ))
-        .unwrap_or(stored)
-}
 
 /// The non-tensor part of a checkpoint (the manifest's `state`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,16 +81,6 @@ pub struct TrainState {
     pub loss_scaler: Option<DynamicLossScaler>,
 }
 
-/// `data` in `shape`: itself, or a flattened tensor of as many elements (a sharded checkpoint's).
-pub(crate) fn shaped(data: &TensorData, shape: &[usize]) -> Option<TensorData> {
-    if data.shape.as_slice() == shape {
-        return Some(data.clone());
-    }
-    let numel: usize = shape.iter().product();
-    (data.shape.as_slice() == [numel])
-        .then(|| TensorData::from_bytes_vec(data.as_bytes().to_vec(), shape.to_vec(), data.dtype))
-}
-
 /// The name a parameter is stored under: the head's tied copy of the token embedding is the
 /// embedding (see `Head::wte`); every other parameter is itself.
 fn stored_name(name: &str) -> &str {
@@ -110,64 +93,6 @@ fn stored_name(name: &str) -> &str {
 
 type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
 type ChunksRecord<B> = <ChunksOptimizer<B> as Optimizer<GptChunks<B>, B>>::Record;
-
-/// The name under which this rank stores the flattened pieces of parameter `name` (and of its
-/// moments) that ZeRO gives it, or `None` when another tensor-parallel rank stores them: the name
-/// itself for a whole parameter, and for a split one the name of this rank's part,
-/// `name@tp{rank}of{size}` (the flattening of a part is not a box of the whole; loading
-/// re-assembles the parts, see [`assemble_tensor_parallel_parts`]).
-fn flat_name(layout: &ModuleLayout, name: &str) -> anyhow::Result<Option<String>> {
-    let dims = layout.shape(name)?.len();
-    let plan = &layout.plan;
-    Ok(match (layout.stores(name)?, plan.is_split(name, dims)) {
-        (false, _) => None,
-        (true, true) => Some(format!("{name}{TP_PART}{}of{}", plan.rank, plan.size)),
-        (true, false) => Some(name.to_string()),
-    })
-}
-
-/// Marks the name of one tensor-parallel rank's part of a tensor (see [`flat_name`]).
-const TP_PART: &str = "@tp";
-
-/// The parameter name, rank and tensor-parallel size of a part's name (`name@tp{r}of{s}`).
-fn parse_tp_part(name: &str) -> Option<(&str, usize, usize)> {
-    let (base, part) = name.rsplit_once(TP_PART)?;
-    let (rank, size) = part.split_once("of")?;
-    Some((base, rank.parse().ok()?, size.parse().ok()?))
-}
-
-/// Joins the tensor-parallel parts among `moments` (named `…@tp{r}of{s}`, each already in its
-/// rank's local shape) into whole moments, placing each part by the plan as rank `r` of `s`
-/// holds it; the parameters' whole shapes come from `params`.
-fn assemble_tensor_parallel_parts(
-    moments: BTreeMap<String, TensorData>,
-    params: &BTreeMap<String, TensorData>,
-) -> anyhow::Result<BTreeMap<String, TensorData>> {
-    let mut whole = BTreeMap::new();
-    let mut parts = Vec::new();
-    for (name, data) in moments {
-        let Some((stored, rank, size)) = parse_tp_part(&name) else {
-            whole.insert(name, data);
-            continue;
-        };
-        let param = param_of(stored);
-        let global = params
-            .get(param)
-            .with_context(|| format!("{name} is a part of {param}, which the checkpoint lacks"))?
-            .shape
-            .to_vec();
-        let plan = TpPlan::new(TP_PLAN, rank, size);
-        parts.extend(part_slices(
-            &plan,
-            param,
-            &global,
-            stored.to_string(),
-            data,
-        )?);
-    }
-    whole.extend(join_slices(parts)?);
-    Ok(whole)
-}
 
 /// AdamW moments of every parameter that has them, as `(parameter, stored name, tensor)` plus
 /// step counts. The tied copy of the token embedding is skipped: its moments equal the
@@ -261,28 +186,9 @@ pub fn snapshot<B: AutodiffBackend>(
         Optimizers::Replicated { .. } => {}
         Optimizers::Sharded(_) => {
             let zero = optimizers.zero().context("a sharded optimizer")?;
-            let names = names_by_id(model);
-            for piece in zero.pieces()? {
-                let name = &names[&piece.id];
-                if name == TIED_COPY {
-                    continue;
-                }
-                if let Some(stored) = flat_name(layout, name)? {
-                    slices.extend(piece_slices(&stored, &piece));
-                }
-                if piece.exp_avg.is_some() {
-                    steps.insert(name.clone(), piece.time);
-                }
-            }
-            for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
-                let name = &names[&slot.param.id];
-                if name == TIED_COPY {
-                    continue;
-                }
-                if let Some(stored) = flat_name(layout, name)? {
-                    shapes.insert(stored, slot.param.shape.clone());
-                }
-            }
+            let part = ZeroSlices::of(&zero, &stored_paths(model), layout)?;
+            slices.extend(part.slices);
+            (steps, shapes) = (part.steps, part.flat_shapes);
         }
     }
     // Every rank's step counts and flattened shapes go into the one manifest.
@@ -295,55 +201,20 @@ pub fn snapshot<B: AutodiffBackend>(
     })
 }
 
-/// Every parameter's global name, by id.
-fn names_by_id<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
+/// The global name of every parameter stored under its own name, by id (the tied copy of the
+/// token embedding is stored as the embedding).
+fn stored_paths<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
     struct Names(BTreeMap<ParamId, String>);
     impl<B: Backend> ParamFn<B> for Names {
         fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id, name.to_string());
+            if name != TIED_COPY {
+                self.0.insert(param.id, name.to_string());
+            }
         }
     }
     let mut names = Names(BTreeMap::new());
     model.for_each_param(&mut names);
     names.0
-}
-
-/// A piece of a flattened parameter (and its moments) as stored slices.
-fn piece_slices(name: &str, piece: &Piece) -> Vec<TensorSlice> {
-    let stored = [
-        (name.to_string(), &piece.param),
-        (format!("{EXP_AVG}{name}"), &piece.exp_avg),
-        (format!("{EXP_AVG_SQ}{name}"), &piece.exp_avg_sq),
-    ];
-    stored
-        .into_iter()
-        .filter_map(|(name, data)| {
-            let values = data.as_ref()?;
-            Some(TensorSlice {
-                name,
-                dtype: Dtype::F32,
-                global_shape: vec![piece.param_numel],
-                offset: vec![piece.offset],
-                shape: vec![piece.numel],
-                bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            })
-        })
-        .collect()
-}
-
-/// The union of every rank's `map` (by parameter name).
-fn gather_union<T: Serialize + serde::de::DeserializeOwned>(
-    world: &ProcessGroup,
-    map: BTreeMap<String, T>,
-) -> anyhow::Result<BTreeMap<String, T>> {
-    if world.size() == 1 {
-        return Ok(map);
-    }
-    let mut all = BTreeMap::new();
-    for part in world.all_gather_json(&map)? {
-        all.extend(part);
-    }
-    Ok(all)
 }
 
 /// A checkpoint read back: its state, parameters and optimizer moments by name.
@@ -374,7 +245,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             params.insert(name, data);
         }
     }
-    let moments = assemble_tensor_parallel_parts(moments, &params)?;
+    let moments = join_tensor_parallel_parts(moments, &params, TP_PLAN)?;
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,

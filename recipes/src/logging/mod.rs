@@ -8,4 +8,4 @@ pub mod tensorboard;
 
 pub use metrics::{Bubble, GradNorm, Loss, Mfu, StepOutput, StepScalar, TokensPerSec};
 pub use render::LogRenderer;
-pub use sink::{LossScaleRecord, MetricsSink, PipelineRecord, StepRecord};
+pub use sink::{LossScaleRecord, MetricsSink, StepRecord};

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use serde::Serialize;
+use wildfire_parallel::pp::PipelineReport;
 
 use super::tensorboard::EventWriter;
 
@@ -39,7 +40,7 @@ pub struct StepRecord {
     pub activation_peak_mib: Option<f64>,
     /// Pipeline measurements, when the run has more than one stage.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pipeline: Option<PipelineRecord>,
+    pub pipeline: Option<PipelineReport>,
 }
 
 /// fp16's dynamic loss scaling in one step.
@@ -52,17 +53,6 @@ pub struct LossScaleRecord {
     pub skipped: bool,
     /// Steps skipped so far in the run.
     pub skipped_steps: u64,
-}
-
-/// What a pipeline step measured on every rank.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct PipelineRecord {
-    /// Idle time / step time, per pipeline rank.
-    pub bubble: Vec<f64>,
-    /// The schedule's ideal bubble: (p−1)/(m+p−1), or (p−1)/(v·m+p−1) interleaved.
-    pub bubble_theory: f64,
-    /// Most stored activations (forwards awaiting their backward), per pipeline rank.
-    pub peak_activations: Vec<usize>,
 }
 
 /// Appends metrics to `metrics.jsonl` and to the TensorBoard event file of a run directory.

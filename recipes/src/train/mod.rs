@@ -24,18 +24,17 @@ mod batch;
 mod setup;
 mod update;
 
-pub use crate::optim::Optimizers;
+pub use crate::optim::{LearnerOptimizer, Optimizers};
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
 pub use setup::{Start, TrainOutcome, resume_config, run, run_on_cpu, start};
 pub use update::{counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn::data::dataloader::Progress;
-use burn::module::{Module, ParamId};
-use burn::optim::GradientsAccumulator;
+use burn::module::Module;
 use burn::tensor::Tensor;
 use burn::train::EventProcessorTraining;
 use burn::train::{
@@ -45,26 +44,23 @@ use burn::train::{
 };
 
 use anyhow::bail;
-use burn::optim::GradientsParams;
 use wildfire_backend::comm::ProcessGroup;
-use wildfire_parallel::fsdp::{ZeroStage, run_sharded_forward, run_sharded_step};
-use wildfire_parallel::mesh::PipelinePlan;
-use wildfire_parallel::pp::{StepStats, run_forward, run_step};
+use wildfire_parallel::pp::PipelineReport;
 use wildfire_parallel::precision::{DynamicLossScaler, StepDecision};
-use wildfire_parallel::tp::SequencePartial;
+use wildfire_parallel::split::ModelSplit;
 
 use crate::TrainBackend;
 use crate::checkpoint::{self, BackgroundWriter, ModuleLayout, TrainState};
 use crate::data::{Sampler, SplitMix64};
-use crate::logging::{LossScaleRecord, MetricsSink, PipelineRecord, StepOutput, StepRecord};
+use crate::logging::{LossScaleRecord, MetricsSink, StepOutput, StepRecord};
 use crate::model::GptChunks;
-use crate::optim::{GptOptimizer, WarmupCosine};
-use wildfire_parallel::update::{StepOptions, UpdateGroups, lock};
+use crate::optim::WarmupCosine;
+use wildfire_parallel::update::lock;
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
 pub type GptComponents<B> =
-    LearningComponentsMarker<B, WarmupCosine, GptChunks<B>, GptOptimizer<GptChunks<B>, B>>;
+    LearningComponentsMarker<B, WarmupCosine, GptChunks<B>, LearnerOptimizer<B>>;
 
 /// The fixed settings of a run's loop.
 #[derive(Debug, Clone)]
@@ -86,37 +82,26 @@ pub struct LoopSettings {
     pub dp: usize,
 }
 
-/// A rank's place in the run: every rank, its pipeline (group rank = pipeline rank), its
-/// data-parallel group, the checked pipeline, the pair of pipeline ranks that hold the tied
-/// embedding's two copies when those differ, its tensor-parallel group, the ranks that hold one
-/// model replica between them (pipeline × tensor-parallel), and where its parameters sit in
-/// the whole model.
+/// A rank's place in the run: every rank, its data-parallel group, the ranks that hold one
+/// model replica between them (pipeline × tensor-parallel), how that replica is split, and
+/// where its parameters sit in the whole model.
 #[derive(Debug)]
 pub struct RankContext {
     pub world: ProcessGroup,
-    pub pipe: ProcessGroup,
     pub data: ProcessGroup,
-    pub plan: PipelinePlan,
-    pub tie_group: Option<ProcessGroup>,
-    pub tensor: ProcessGroup,
     pub replica: ProcessGroup,
+    pub split: ModelSplit,
     pub layout: ModuleLayout,
-    /// The parameters whose gradients another rank puts into the norm (see
-    /// `update::counted_elsewhere`).
-    pub counted_elsewhere: Vec<ParamId>,
-    /// Under sequence parallelism, the parameters whose gradients cover this rank's part of the
-    /// sequence only (see `TpPlan::is_sequence_partial`); none otherwise.
-    pub sequence_partial: SequencePartial,
 }
 
-/// The step-based learning strategy. Besides what burn-train hands to `fit`, it holds the shared
-/// handles it checkpoints (optimizer, sampler) and the metric files.
+/// The step-based learning strategy. burn-train's `Learner` holds the model (the chunks this
+/// rank trains; under ZeRO 3, skeletons whose parameters the sharded optimizer holds), its
+/// optimizer and the schedule; the loop keeps shared handles to what it checkpoints (the
+/// optimizer, the sampler) and the metric files.
 pub struct StepLoop<B: TrainBackend> {
     pub settings: LoopSettings,
-    /// The chunks this rank trains (under ZeRO 3, skeletons whose parameters the sharded
-    /// optimizer holds). burn-train's `Learner` only keeps the schedule here.
-    pub model: Mutex<GptChunks<B>>,
-    pub optimizers: Optimizers<B>,
+    /// A handle to the Learner's optimizer.
+    pub optimizer: LearnerOptimizer<B>,
     pub sampler: Arc<Mutex<Sampler>>,
     /// fp16's dynamic loss scale (fp16 runs only); every rank keeps the same one.
     pub scaler: Option<Mutex<DynamicLossScaler>>,
@@ -151,19 +136,15 @@ impl<B: TrainBackend> std::fmt::Debug for StepLoop<B> {
 }
 
 impl<B: TrainBackend> StepLoop<B> {
-    fn current_model(&self) -> GptChunks<B> {
-        lock(&self.model).clone()
-    }
-
     /// One optimizer step (all its micro-batches); returns the numbers it logs.
     fn step(
         &self,
         learner: &mut Learner<GptComponents<B>>,
         batches: &mut dyn Iterator<Item = TokenBatch<B>>,
         step: u64,
-    ) -> anyhow::Result<(StepOutput, Option<PipelineRecord>)> {
+    ) -> anyhow::Result<(StepOutput, Option<PipelineReport>)> {
         let started = Instant::now();
-        let model = self.current_model();
+        let model = learner.model();
         let device = model.devices()[0].clone();
         B::seed(&device, step_seed(self.settings.seed, step));
         let mut micro: Vec<TokenBatch<B>> = batches.take(self.settings.grad_accum).collect();
@@ -173,28 +154,21 @@ impl<B: TrainBackend> StepLoop<B> {
             batch.loss_scale = loss_scale / tokens as f64;
         }
         learner.lr_step();
-        let tensor_comm = self.rank.tensor.comm_time();
+        let split = &self.rank.split;
+        let tensor_comm = split.tensor.comm_time();
         let heap = crate::alloc::registered().map(|heap| (heap, heap.start_window()));
-        let (grads, stats, unit_comm) = self.forward_backward(&model, &micro, &device)?;
+        let zero = self.optimizer.update().zero();
+        let step = split.gradients(&model.chunks, &micro, zero.as_deref(), &device)?;
+        drop(zero);
         let activation_peak_mib =
             heap.map(|(heap, before)| heap.window_peak().saturating_sub(before) as f64 / MIB);
         // The tensor-parallel collectives inside the forwards and backwards (and the
         // sequence-parallel gradient sums).
-        let tensor_comm = self.rank.tensor.comm_time().saturating_sub(tensor_comm);
+        let tensor_comm = split.tensor.comm_time().saturating_sub(tensor_comm);
         let rank = &self.rank;
-        let groups = UpdateGroups {
-            world: &rank.world,
-            replica: &rank.replica,
-            data: &rank.data,
-        };
-        let options = StepOptions {
-            lr: learner.lr_current(),
-            max_norm: self.settings.grad_clip,
-            loss_scale,
-            counted_elsewhere: &rank.counted_elsewhere,
-        };
-        let (model, update) = self.optimizers.update(groups, model, grads, options)?;
-        *lock(&self.model) = model;
+        self.optimizer.set_loss_scale(loss_scale);
+        learner.optimizer_step(step.grads);
+        let update = self.optimizer.take_stats()?;
         if update.grad_norm.is_none() && self.scaler.is_none() {
             bail!(
                 "the gradient norm is not finite (an infinite or NaN gradient on some rank); \
@@ -211,13 +185,8 @@ impl<B: TrainBackend> StepLoop<B> {
                 skipped_steps: scaler.skipped_steps(),
             }
         });
-        // Every tensor-parallel rank computed the same loss: count it once.
-        let loss = match rank.tensor.rank() {
-            0 => stats.loss,
-            _ => 0.0,
-        };
-        let loss_sum = self.rank.world.sum_value(loss)?;
-        let pipeline = self.pipeline_record(&stats)?;
+        let loss_sum = split.world_loss(&rank.world, step.stats.loss)?;
+        let pipeline = PipelineReport::gather(&step.stats, &split.pipe, &split.plan)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
         let output = StepOutput {
@@ -230,96 +199,12 @@ impl<B: TrainBackend> StepLoop<B> {
                 .settings
                 .peak_flops
                 .map(|peak| self.settings.flops_per_token * tokens_per_sec / peak),
-            bubble: pipeline
-                .as_ref()
-                .map(|p| p.bubble.iter().copied().fold(0.0, f64::max)),
-            comm_ms: Some(1e3 * (update.reduce.comm + unit_comm + tensor_comm).as_secs_f64()),
+            bubble: pipeline.as_ref().map(PipelineReport::worst_bubble),
+            comm_ms: Some(1e3 * (update.reduce.comm + step.unit_comm + tensor_comm).as_secs_f64()),
             loss_scale,
             activation_peak_mib,
         };
         Ok((output, pipeline))
-    }
-
-    /// This rank's gradients of the step, summed over its micro-batches: through the pipeline
-    /// schedule (one stage on one rank without a pipeline), or, under ZeRO 3, through the
-    /// sharded units (gradients already reduced to this rank's parts).
-    fn forward_backward(
-        &self,
-        model: &GptChunks<B>,
-        micro: &[TokenBatch<B>],
-        device: &B::Device,
-    ) -> anyhow::Result<(GradientsParams, StepStats, Duration)> {
-        if let Some(zero) = self.optimizers.zero()
-            && zero.stage() == ZeroStage::ShardParameters
-        {
-            let started = Instant::now();
-            let step =
-                run_sharded_step(&zero, &model.chunks, micro, model.tied_embedding().both())?;
-            let grads = step.grads;
-            let stats = StepStats {
-                loss: step.loss,
-                busy: started.elapsed().saturating_sub(step.comm),
-                wall: started.elapsed(),
-                peak_activations: micro.len(),
-            };
-            return Ok((grads, stats, step.comm));
-        }
-        let rank = &self.rank;
-        let result = run_step(
-            &rank.plan.schedule,
-            rank.pipe.rank(),
-            &rank.pipe,
-            &model.chunks,
-            micro,
-            device,
-        )?;
-        let mut accumulator = GradientsAccumulator::new();
-        for grads in result.grads {
-            accumulator.accumulate(model, grads);
-        }
-        let mut grads = accumulator.grads();
-        self.sum_tied_embedding(model, &mut grads)?;
-        self.sum_sequence_partial(&mut grads)?;
-        Ok((grads, result.stats, Duration::ZERO))
-    }
-
-    /// Gives both copies of a tied embedding (first stage's `wte`, last stage's head copy) the
-    /// sum of their gradients (see [`TiedCopies`]).
-    fn sum_tied_embedding(
-        &self,
-        model: &GptChunks<B>,
-        grads: &mut GradientsParams,
-    ) -> anyhow::Result<()> {
-        let group = self.rank.tie_group.as_ref();
-        Ok(model
-            .tied_embedding()
-            .sum::<B::InnerBackend, 2>(grads, group)?)
-    }
-
-    /// Under sequence parallelism, sums over the tensor-parallel group the gradients of the
-    /// parameters every rank holds whole but applies to its part of the sequence only (the
-    /// LayerNorms, the row-parallel layers' biases; see [`SequencePartial`]).
-    fn sum_sequence_partial(&self, grads: &mut GradientsParams) -> anyhow::Result<()> {
-        let group = &self.rank.tensor;
-        Ok(self
-            .rank
-            .sequence_partial
-            .sum::<B::InnerBackend>(grads, group)?)
-    }
-
-    /// Every pipeline rank's bubble and peak activations, next to the schedule's theory
-    /// (pipelines only).
-    fn pipeline_record(&self, stats: &StepStats) -> anyhow::Result<Option<PipelineRecord>> {
-        let world = &self.rank.pipe;
-        if world.size() == 1 && self.rank.plan.schedule.virtual_stages == 1 {
-            return Ok(None);
-        }
-        let all = world.all_gather_values(&[stats.bubble(), stats.peak_activations as f64])?;
-        Ok(Some(PipelineRecord {
-            bubble: all.iter().map(|row| row[0]).collect(),
-            bubble_theory: self.rank.plan.ideal_bubble,
-            peak_activations: all.iter().map(|row| row[1] as usize).collect(),
-        }))
     }
 
     /// Mean validation loss per token over the evaluation batches (forward through the
@@ -332,28 +217,9 @@ impl<B: TrainBackend> StepLoop<B> {
     ) -> anyhow::Result<StepOutput> {
         let batches: Vec<_> = valid.iter().collect();
         let tokens: usize = batches.iter().map(TokenBatch::tokens).sum();
-        let rank = &self.rank;
-        let sharded = self.optimizers.zero();
-        let loss_sum = match sharded.as_deref() {
-            Some(zero) if zero.stage() == ZeroStage::ShardParameters => {
-                let batches: Vec<TokenBatch<B>> = batches.into_iter().map(tracked).collect();
-                run_sharded_forward(zero, &model.chunks, &batches, model.tied_embedding().both())?
-            }
-            _ => {
-                let model = burn::module::AutodiffModule::valid(model);
-                let device = model.devices()[0].clone();
-                run_forward(
-                    rank.plan.schedule.stages,
-                    rank.pipe.rank(),
-                    &rank.pipe,
-                    &model.chunks,
-                    &batches,
-                    &device,
-                )?
-            }
-        };
-        drop(sharded);
-        let loss_sum = rank.pipe.sum_value(loss_sum)?;
+        let zero = self.optimizer.update().zero();
+        let loss_sum =
+            (self.rank.split).forward_loss(&model.chunks, batches, zero.as_deref(), tracked)?;
         Ok(StepOutput {
             loss_sum,
             tokens,
@@ -365,7 +231,7 @@ impl<B: TrainBackend> StepLoop<B> {
     /// Saves the checkpoint of `step`: in the background when the run asks for it, unless
     /// `last` (the run ends after it, so it is written before); either way after the write in
     /// flight.
-    fn checkpoint(&self, step: u64, last: bool) -> anyhow::Result<()> {
+    fn checkpoint(&self, model: &GptChunks<B>, step: u64, last: bool) -> anyhow::Result<()> {
         let cursor = lock(&self.sampler).cursor();
         let state = TrainState {
             step,
@@ -379,8 +245,8 @@ impl<B: TrainBackend> StepLoop<B> {
         let mut writer = lock(&self.writer);
         writer.wait(world)?;
         let snapshot = checkpoint::snapshot(
-            &self.current_model(),
-            &self.optimizers,
+            model,
+            self.optimizer.update(),
             state,
             world,
             self.rank.data.rank(),
@@ -498,7 +364,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                 }
             };
             if settings.eval_every > 0 && (done % settings.eval_every == 0 || last) {
-                let eval = match self.evaluate(&self.current_model(), &valid) {
+                let eval = match self.evaluate(&learner.model(), &valid) {
                     Ok(eval) => eval,
                     Err(error) => {
                         self.record_error(error.context(format!("evaluation after step {step}")));
@@ -515,7 +381,9 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
                 )));
             }
             let periodic = settings.checkpoint_every > 0 && done % settings.checkpoint_every == 0;
-            if (periodic || last || stop) && !self.log(self.checkpoint(done, last || stop)) {
+            if (periodic || last || stop)
+                && !self.log(self.checkpoint(&learner.model(), done, last || stop))
+            {
                 break;
             }
             if stop {
@@ -525,7 +393,7 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
         if let Some(error) = lock(&self.writer).wait_alone() {
             self.record_error(error.into());
         }
-        (self.current_model(), events)
+        (learner.model(), events)
     }
 }
 

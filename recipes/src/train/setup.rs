@@ -25,9 +25,11 @@ use super::{
 };
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use wildfire_parallel::learner_update::LearnerUpdate;
 use wildfire_parallel::precision::DynamicLossScaler;
 use wildfire_parallel::replicas::verify_replicas;
-use wildfire_parallel::update::{Update, inner_device_of, lock, zero_optimizer};
+use wildfire_parallel::split::ModelSplit;
+use wildfire_parallel::update::{Update, UpdateGroups, inner_device_of, lock, zero_optimizer};
 
 use crate::checkpoint::ModuleLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
@@ -432,35 +434,33 @@ fn run_rank<B: TrainBackend>(
     )?;
     let offload = parallel.offload_optimizer;
     report_state_bytes(mesh.world(), &optimizers, dims.zero, offload)?;
+    let rank = rank_context(&mesh, &data.model, plan, layout, &model)?;
+    let optimizer = LearnerUpdate::new(
+        optimizers,
+        UpdateGroups::from(&mesh),
+        config.train.grad_clip,
+        counted_elsewhere(&model, &rank.layout),
+    );
     let strategy = Arc::new(StepLoop {
         settings: loop_settings(&config, &data.model, dims, progress.start_step),
-        model: Mutex::new(model.clone()),
-        optimizers,
+        optimizer: optimizer.clone(),
         sampler: progress.sampler.clone(),
         scaler: loss_scaler(&config, resumed.as_ref())?.map(Mutex::new),
         sink: open_metrics(&config, &data.model, mesh.world(), progress.start_step)?,
         state: checkpoint_template(&config, &data, progress.start_step),
         checkpoint_root: config.run.dir.join("checkpoints"),
         writer: Default::default(),
-        rank: rank_context(&mesh, &data.model, plan, layout, &model)?,
+        rank,
         error: Mutex::new(None),
         losses: Mutex::new(Vec::new()),
     });
     if mesh.world().rank() == 0 {
-        describe_run(&config, &data, &strategy.rank.plan, dims, &progress);
+        describe_run(&config, &data, &strategy.rank.split.plan, dims, &progress);
     }
     // Everything the checkpoint held is in the model and optimizer now.
     drop(resumed);
     let training = supervised_training(&config, data, &progress, &strategy, &device);
-    // The loop holds the model (see `StepLoop::model`); the learner keeps a placeholder copy,
-    // its optimizer is never stepped.
-    let placeholder = {
-        let _lock = graphs_lock();
-        model.map(&mut Placeholders { device })
-    };
-    let idle_optimizer =
-        SharedOptimizer::new(OptimizerAdaptor::from(MatrixDecayAdamW::new(&config.train)));
-    training.launch(Learner::new(placeholder, idle_optimizer, progress.schedule));
+    training.launch(Learner::new(model, optimizer, progress.schedule));
     outcome(&strategy, config.run.dir, progress.start_step)
 }
 
@@ -770,22 +770,15 @@ fn rank_context<B: TrainBackend>(
     layout: ModuleLayout,
     model: &GptChunks<B>,
 ) -> anyhow::Result<RankContext> {
-    let tie_group = match model_config.tie_embeddings {
-        true => mesh.tie_group()?,
-        false => None,
-    };
+    let tied = model_config.tie_embeddings.then(|| model.tied_embedding());
     let sequence_partial =
         model.param_ids_where(|name, dims| layout.plan.is_sequence_partial(name, dims));
+    let split = ModelSplit::new(mesh, plan, tied, SequencePartial::new(sequence_partial))?;
     Ok(RankContext {
         world: mesh.world().clone(),
-        pipe: mesh.pipeline().clone(),
         data: mesh.data().clone(),
-        plan,
-        tie_group,
-        counted_elsewhere: counted_elsewhere(model, &layout),
-        sequence_partial: SequencePartial::new(sequence_partial),
-        tensor: mesh.tensor().clone(),
         replica: mesh.replica().clone(),
+        split,
         layout,
     })
 }
@@ -838,7 +831,7 @@ fn supervised_training<B: TrainBackend>(
     if mfu_known {
         training = training.metric_train_numeric(StepScalar::<Mfu>::default());
     }
-    if strategy.rank.plan.schedule.num_stages() > 1 {
+    if strategy.rank.split.plan.schedule.num_stages() > 1 {
         training = training.metric_train_numeric(StepScalar::<Bubble>::default());
     }
     if rank != 0 {
