@@ -5,19 +5,23 @@
 //! whole model, at tp 2 and 4 each rank's part is the part the plan cuts from the whole model,
 //! all bitwise. AdamW's moments go the same way: whole moments loaded at tp 2 and 4 and saved
 //! again join into the same whole moments, bitwise. A checkpoint missing a parameter or a
-//! moment, or one whose tensors do not fit the model, is refused naming the tensor.
+//! moment, or one whose tensors do not fit the model, is refused naming the tensor. ZeRO's flat
+//! moments are the same parts, flattened; a parameter that copies another (a tied embedding's
+//! copy) is stored as the original and loads from it.
 
 use std::collections::BTreeMap;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{EmbeddingConfig, Linear, LinearConfig};
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{CommOptions, ProcessGroup};
 use wildfire_parallel::checkpoint::module::ModuleLayout;
-use wildfire_parallel::checkpoint::optimizer::{load_optimizer, optimizer_slices};
+use wildfire_parallel::checkpoint::optimizer::{
+    flat_moments, load_optimizer, optimizer_records, optimizer_slices,
+};
 use wildfire_parallel::checkpoint::slices::join_slices;
 use wildfire_parallel::checkpoint::store::{self, CheckpointError};
 use wildfire_parallel::tp::{ParallelEmbedding, ParallelLinear, TpPlan, TpStyle, apply_plan};
@@ -241,4 +245,98 @@ fn moments_that_do_not_fit_are_refused_naming_the_tensor() {
         error.contains("optim.exp_avg.qkv.weight") && error.contains("[8, 24]"),
         "{error}"
     );
+}
+
+/// ZeRO's form of the moments: each parameter's part at tp 2, flattened, is what the Burn
+/// optimizer's record holds of it, bitwise.
+#[test]
+fn flat_moments_are_the_records_moments_flattened() {
+    let whole = whole_moments();
+    for group in ranks(2) {
+        let plan = TpPlan::new(PLAN, group.rank(), group.size());
+        let full = net_on::<A>(2);
+        let layout = ModuleLayout::of(&full, plan.clone());
+        let model = apply_plan(full, &plan, &group).unwrap();
+        let flat = flat_moments(&layout, &model, &whole).unwrap();
+        let records = optimizer_records::<A, _, AdamW>(&layout, &model, &whole).unwrap();
+        assert_eq!(flat.len(), records.len(), "rank {}", group.rank());
+        let dims: BTreeMap<_, _> = (wildfire_parallel::dp::param_specs(&model).into_iter())
+            .map(|spec| (spec.id, spec.shape.len()))
+            .collect();
+        for (id, record) in records {
+            let moments = &flat[&id];
+            assert_eq!(moments.time, 7);
+            let expected = match dims[&id] {
+                1 => flattened(record.into_state::<1>().momentum),
+                2 => flattened(record.into_state::<2>().momentum),
+                other => panic!("no parameter of rank {other} in the model"),
+            };
+            let values = |t: &Tensor<B, 1>| t.to_data().to_vec::<f32>().unwrap();
+            let found = (values(&moments.exp_avg), values(&moments.exp_avg_sq));
+            assert_eq!(found, expected, "rank {}", group.rank());
+        }
+    }
+}
+
+/// Both moments of `momentum`, flattened.
+fn flattened<const D: usize>(
+    momentum: burn::optim::AdaptiveMomentumState<B, D>,
+) -> (Vec<f32>, Vec<f32>) {
+    let values = |t: Tensor<B, D>| t.flatten::<1>(0, D - 1).into_data().to_vec().unwrap();
+    (values(momentum.moment_1), values(momentum.moment_2))
+}
+
+/// Two layers of one shape, the second holding a copy of the first's weight (as a tied
+/// embedding's copy on a later pipeline stage).
+#[derive(Module, Debug)]
+struct Pair<B: Backend> {
+    first: Linear<B>,
+    second: Linear<B>,
+}
+
+/// A copy is neither saved nor missed: it loads its original's weight and moments.
+#[test]
+fn a_copy_is_stored_as_its_original_and_loads_from_it() {
+    let pair = || {
+        let device = Default::default();
+        let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
+        let pair = Pair::<A> {
+            first: LinearConfig::new(4, 4).init(&device),
+            second: LinearConfig::new(4, 4).init(&device),
+        };
+        for_each_value(&pair);
+        pair
+    };
+    let saved = pair();
+    let layout = ModuleLayout::of(&saved, TpPlan::new(&[], 0, 1))
+        .with_copy("second.weight", "first.weight")
+        .unwrap();
+    let names: Vec<_> = (layout.slices(&saved).unwrap().into_iter())
+        .map(|slice| slice.name)
+        .collect();
+    assert_eq!(names, ["first.weight", "first.bias", "second.bias"]);
+    let tensors: BTreeMap<_, _> = (layout.slices(&saved).unwrap().into_iter())
+        .map(|slice| wildfire_parallel::checkpoint::slices::to_data(slice).unwrap())
+        .collect();
+    let loaded = layout.load(pair(), &tensors).unwrap();
+    let weight = |linear: &Linear<A>| linear.weight.val().into_data();
+    assert_eq!(weight(&loaded.second), weight(&saved.first));
+    assert_eq!(weight(&loaded.first), weight(&saved.first));
+    let mut moments = BTreeMap::new();
+    for prefix in ["optim.exp_avg.", "optim.exp_avg_sq."] {
+        let values: Vec<f32> = (0..16).map(|v| v as f32).collect();
+        let data = TensorData::new(values, [4, 4]);
+        moments.insert(format!("{prefix}first.weight"), data);
+    }
+    moments.insert(
+        "optim.step.first.weight".into(),
+        TensorData::new(vec![3i64], [1]),
+    );
+    let flat = flat_moments(&layout, &loaded, &moments).unwrap();
+    assert_eq!(flat.len(), 2, "the weight and its copy");
+    let copy = &flat[&loaded.second.weight.id];
+    let original = &flat[&loaded.first.weight.id];
+    assert_eq!(copy.time, 3);
+    let values = |t: &Tensor<B, 1>| t.to_data().to_vec::<f32>().unwrap();
+    assert_eq!(values(&copy.exp_avg_sq), values(&original.exp_avg_sq));
 }

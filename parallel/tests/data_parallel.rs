@@ -18,7 +18,10 @@ use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
+use wildfire_parallel::learner_update::LearnerUpdate;
 use wildfire_parallel::pp::PipelineChunk;
+use wildfire_parallel::update::{StepOptions, Update, UpdateGroups};
+use wildfire_parallel::{Mesh, ParallelDims};
 
 type A = Autodiff<Flex>;
 
@@ -413,4 +416,67 @@ fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
             }
         }
     }
+}
+
+/// Three DDP steps at dp 2 with clipping and a loss scale, through `Update::update` directly
+/// and through the Learner's optimizer (`LearnerUpdate`, stepped as burn-train's Learner steps
+/// it): the parameters after each step and the reported norms, per rank.
+fn learner_update_run(group: ProcessGroup, through_learner: bool) -> Vec<(Vec<f32>, f64)> {
+    let mesh = Mesh::new(group, ParallelDims::data(2, ZeroStage::Replicated)).unwrap();
+    let mut model = toy(false);
+    let optimizer = OptimizerAdaptor::from(adamw().0);
+    let update = Update::replicated(optimizer, FlatLayout::of_module(&model, 64));
+    let (max_norm, loss_scale) = (0.5, 4.0);
+    let mut learner = LearnerUpdate::new(update, UpdateGroups::from(&mesh), max_norm, vec![]);
+    learner.set_loss_scale(loss_scale);
+    let rows = rows_of(mesh.data().rank(), 2);
+    (0..3)
+        .map(|step| {
+            let _lock = wildfire_parallel::pp::graphs_lock();
+            let batch = Batch {
+                scale: loss_scale / ROWS as f64,
+                ..batch(step, rows.clone(), false)
+            };
+            let grads = grads_of(&model, &batch, false);
+            drop(_lock);
+            let norm = if through_learner {
+                model = learner.step(LR, model.clone(), grads);
+                learner.take_stats().unwrap().grad_norm
+            } else {
+                let options = StepOptions {
+                    loss_scale,
+                    ..StepOptions::new(LR, max_norm)
+                };
+                let groups = UpdateGroups::from(&mesh);
+                let (updated, stats) = (learner.update())
+                    .update(groups, model.clone(), grads, options)
+                    .unwrap();
+                model = updated;
+                stats.grad_norm
+            };
+            let mut by_id: Vec<_> = flat_values(&model).into_iter().collect();
+            by_id.sort_by_key(|(id, _)| id.val());
+            let values = by_id.into_iter().flat_map(|(_, v)| v).collect();
+            (values, norm.expect("a finite norm"))
+        })
+        .collect()
+}
+
+#[test]
+fn the_learners_optimizer_steps_as_the_update_it_holds() {
+    let direct = threads(2, |group| learner_update_run(group, false));
+    let learner = threads(2, |group| learner_update_run(group, true));
+    assert_eq!(learner, direct, "parameters and norms, rank by rank");
+    // The clipping bound binds: the norm reported is the unscaled one, above 0.5.
+    assert!(direct[0].iter().all(|(_, norm)| *norm > 0.5), "{direct:?}");
+    // A step that failed, or none at all, is reported as an error, not as stats.
+    let error = threads(1, |group| {
+        let mesh = Mesh::new(group, ParallelDims::data(1, ZeroStage::Replicated)).unwrap();
+        let model = toy(false);
+        let optimizer: OptimizerAdaptor<AdamW, Toy<A>, A> = OptimizerAdaptor::from(adamw().0);
+        let update = Update::<A, _>::replicated(optimizer, FlatLayout::of_module(&model, 64));
+        let learner = LearnerUpdate::new(update, UpdateGroups::from(&mesh), 0.0, vec![]);
+        learner.take_stats().unwrap_err().to_string()
+    });
+    assert_eq!(error[0], "the Learner ran no optimizer step to report on");
 }

@@ -544,7 +544,8 @@ fn check_one(world: &ProcessGroup, device: &str, large: bool) -> Result<(), Stri
                 .unwrap_or(world.rank());
             if world.size() == 1 {
                 // Groups of one skip NCCL, so exercise it here with a one-rank communicator.
-                let probe = wildfire_backend::comm::nccl_device::probe_one_rank(ordinal);
+                let timeout = world.options().timeout;
+                let probe = wildfire_backend::comm::nccl_device::probe_one_rank(ordinal, timeout);
                 println!("comm-check: {}", probe.map_err(|e| e.to_string())?);
             }
             let device = burn::backend::cuda::CudaDevice::new(ordinal);

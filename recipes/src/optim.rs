@@ -1,15 +1,13 @@
 //! The optimizer side of the recipe: AdamW with weight decay on matrices only and the warmup +
 //! cosine learning-rate schedule (global gradient-norm clipping is `wildfire_parallel::clip`).
 
-use std::sync::{Arc, Mutex, MutexGuard};
-
-use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::lr_scheduler::LrScheduler;
-use burn::optim::{AdamWState, GradientsParams, Optimizer, SimpleOptimizer};
+use burn::optim::{AdamWState, AdaptiveMomentumState, SimpleOptimizer};
 use burn::tensor::Tensor;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_parallel::checkpoint::optimizer::MomentState;
 use wildfire_parallel::learner_update::LearnerUpdate;
 use wildfire_parallel::update::Update;
 
@@ -49,6 +47,16 @@ impl MatrixDecayAdamW {
     }
 }
 
+/// Its state is AdamW's, so checkpoints store and restore its moments as AdamW's.
+impl<B: Backend> MomentState<B> for MatrixDecayAdamW {
+    fn into_momentum<const D: usize>(state: AdamWState<B, D>) -> AdaptiveMomentumState<B, D> {
+        state.momentum
+    }
+    fn from_momentum<const D: usize>(momentum: AdaptiveMomentumState<B, D>) -> AdamWState<B, D> {
+        AdamWState { momentum }
+    }
+}
+
 impl std::fmt::Debug for MatrixDecayAdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("MatrixDecayAdamW")
@@ -78,61 +86,8 @@ impl<B: Backend> SimpleOptimizer<B> for MatrixDecayAdamW {
     }
 }
 
-/// An optimizer whose state can be read while burn-train's `Learner` owns it: clones share one
-/// state. The training loop keeps a handle to save and restore the moments in checkpoints.
-#[derive(Debug)]
-pub struct SharedOptimizer<O>(Arc<Mutex<O>>);
-
-impl<O> Clone for SharedOptimizer<O> {
-    fn clone(&self) -> Self {
-        Self(self.0.clone())
-    }
-}
-
-impl<O> SharedOptimizer<O> {
-    pub fn new(optimizer: O) -> Self {
-        Self(Arc::new(Mutex::new(optimizer)))
-    }
-
-    pub fn lock(&self) -> MutexGuard<'_, O> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-impl<O, M, B> Optimizer<M, B> for SharedOptimizer<O>
-where
-    O: Optimizer<M, B>,
-    M: AutodiffModule<B>,
-    B: AutodiffBackend,
-{
-    type Record = O::Record;
-
-    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
-        self.lock().step(lr, module, grads)
-    }
-
-    fn step_multi(&mut self, lr: f64, module: M, grads: burn::optim::MultiGradientsParams) -> M {
-        self.lock().step_multi(lr, module, grads)
-    }
-
-    fn to_record(&self) -> Self::Record {
-        self.lock().to_record()
-    }
-
-    fn load_record(self, record: Self::Record) -> Self {
-        {
-            let mut inner = self.lock();
-            let current = inner.clone();
-            *inner = current.load_record(record);
-        }
-        self
-    }
-}
-
 /// The recipe's optimizer type for model `M` on backend `B`.
-pub type GptOptimizer<M, B> = SharedOptimizer<OptimizerAdaptor<MatrixDecayAdamW, M, B>>;
+pub type GptOptimizer<M, B> = OptimizerAdaptor<MatrixDecayAdamW, M, B>;
 
 /// The optimizer of a run, with its data-parallel reduction (`wildfire_parallel::update`).
 pub type Optimizers<B> = Update<B, GptOptimizer<GptChunks<B>, B>>;

@@ -33,7 +33,7 @@ fn decorator_is_bitwise_identical_on_cuda() {
 #[test]
 fn nccl_one_rank_probe_is_exact() {
     require_cuda!();
-    match nccl_device::probe_one_rank(0) {
+    match nccl_device::probe_one_rank(0, Duration::from_secs(120)) {
         Ok(report) => println!("{report}"),
         Err(e) => panic!("NCCL probe failed: {e}"),
     }

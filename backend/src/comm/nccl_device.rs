@@ -315,14 +315,15 @@ pub fn cuda_device_count() -> Result<usize, CommError> {
 /// Checks NCCL end to end on CUDA device `ordinal` with a one-rank communicator, which any
 /// machine with one GPU can run (the tensor path skips NCCL for groups of one): loads the
 /// library, creates the communicator, runs every collective this module has on device buffers,
-/// and compares the results. Returns a one-line description of what ran.
-pub fn probe_one_rank(ordinal: usize) -> Result<String, CommError> {
+/// and compares the results; communicator creation waits at most `timeout`. Returns a one-line
+/// description of what ran.
+pub fn probe_one_rank(ordinal: usize, timeout: Duration) -> Result<String, CommError> {
     let member = NcclMember {
         group: "the one-rank probe".to_string(),
         rank: 0,
         size: 1,
         ordinal,
-        timeout: Duration::from_secs(300),
+        timeout,
     };
     let mut comm = NcclComm::join(member, NcclComm::unique_id()?)?;
     let stream = comm.stream.clone();

@@ -26,6 +26,9 @@ pub struct ModuleLayout {
     pub plan: TpPlan,
     pub shapes: BTreeMap<String, Vec<usize>>,
     pub paths: PathStack,
+    /// Parameters that copy another, by path (a tied embedding's copy on a later pipeline
+    /// stage): the original's path. A copy is never stored; it loads the original's tensors.
+    pub copies: BTreeMap<String, String>,
 }
 
 impl ModuleLayout {
@@ -35,7 +38,22 @@ impl ModuleLayout {
             plan,
             shapes: param_shapes(whole).into_iter().collect(),
             paths: PathStack::default(),
+            copies: BTreeMap::new(),
         }
+    }
+
+    /// This layout with parameter `copy`, which holds a copy of parameter `original` (of its
+    /// shape, split by the plan's rule for `copy`), stored as `original`.
+    pub fn with_copy(mut self, copy: &str, original: &str) -> Result<Self, CheckpointError> {
+        let shape = self.shape(original)?.to_vec();
+        self.shapes.insert(copy.to_string(), shape);
+        self.copies.insert(copy.to_string(), original.to_string());
+        Ok(self)
+    }
+
+    /// The path parameter `path` is stored under: its original's for a copy, its own otherwise.
+    pub fn stored_path<'a>(&'a self, path: &'a str) -> &'a str {
+        self.copies.get(path).map_or(path, String::as_str)
     }
 
     /// This layout for a part of the whole module whose parameters `paths` names by their
@@ -51,10 +69,12 @@ impl ModuleLayout {
     }
 
     /// Whether this rank stores parameter `path` (and its optimizer state): its part of a split
-    /// one; a whole one only on the first tensor-parallel rank (the others hold copies).
+    /// one; a whole one only on the first tensor-parallel rank (the others hold copies); never
+    /// a copy of another parameter ([`Self::with_copy`]).
     pub fn stores(&self, path: &str) -> Result<bool, CheckpointError> {
         let dims = self.shape(path)?.len();
-        Ok(self.plan.rank == 0 || self.plan.is_split(path, dims))
+        let copy = self.copies.contains_key(path);
+        Ok(!copy && (self.plan.rank == 0 || self.plan.is_split(path, dims)))
     }
 
     /// This rank's part `data` of parameter `path` as the slices stored under `stored` (the
@@ -114,7 +134,7 @@ impl ModuleLayout {
     ) -> Result<M, CheckpointError> {
         self.check_load(&module, tensors)?;
         struct Load<'a> {
-            plan: &'a TpPlan,
+            layout: &'a ModuleLayout,
             tensors: &'a BTreeMap<String, TensorData>,
             path: PathStack,
         }
@@ -130,16 +150,16 @@ impl ModuleLayout {
                 param: Param<Tensor<B, D>>,
             ) -> Param<Tensor<B, D>> {
                 let path = self.path.current();
-                let Some(data) = self.tensors.get(&path) else {
+                let Some(data) = self.tensors.get(self.layout.stored_path(&path)) else {
                     return param;
                 };
                 let whole = Tensor::<B, D>::from_data(data.clone(), &param.lazy_device());
-                let part = self.plan.local_part(&path, whole);
+                let part = self.layout.plan.local_part(&path, whole);
                 param.map(|old| part.set_require_grad(old.is_require_grad()))
             }
         }
         let mut load = Load {
-            plan: &self.plan,
+            layout: self,
             tensors,
             path: self.paths.clone(),
         };
@@ -154,7 +174,7 @@ impl ModuleLayout {
         tensors: &BTreeMap<String, TensorData>,
     ) -> Result<(), CheckpointError> {
         for (path, shape) in param_shapes_at(module, self.paths.clone()) {
-            let Some(data) = tensors.get(&path) else {
+            let Some(data) = tensors.get(self.stored_path(&path)) else {
                 let reason = "is missing from the checkpoint".to_string();
                 return Err(invalid_slice(&path, reason));
             };

@@ -7,9 +7,9 @@
 //! cut ([`ModuleLayout`]), each rank's state is its part of the whole moments, keyed by the ids
 //! of its parameters.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
-use burn::module::{AutodiffModule, Param};
+use burn::module::{AutodiffModule, Module, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{
@@ -21,6 +21,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::module::ModuleLayout;
 use super::slices::to_slice;
 use super::store::{CheckpointError, TensorSlice, invalid_slice};
+use crate::fsdp::FullMoments;
 use crate::paths::{ParamFn, for_each_param};
 
 /// The prefixes of the stored names of a parameter's moments (PyTorch's names): the first, the
@@ -144,80 +145,180 @@ where
     M: AutodiffModule<B>,
     O: MomentState<B::InnerBackend>,
 {
-    struct Load<'a, O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend> {
-        layout: &'a ModuleLayout,
-        tensors: &'a BTreeMap<String, TensorData>,
-        records: Vec<(burn::module::ParamId, AdaptorRecord<O, B>)>,
-        error: Option<CheckpointError>,
-    }
-    impl<O: MomentState<B::InnerBackend>, B: AutodiffBackend> Load<'_, O, B> {
-        fn record<const D: usize>(
-            &self,
-            path: &str,
-            param: &Param<Tensor<B, D>>,
-        ) -> Result<Option<AdaptorRecord<O, B>>, CheckpointError> {
-            let Some(step) = self.tensors.get(&format!("{STEP}{path}")) else {
-                return Ok(None);
-            };
-            let step = (step.to_vec::<i64>().ok())
-                .and_then(|steps| steps.first().copied())
-                .and_then(|step| usize::try_from(step).ok());
-            let step = step.ok_or_else(|| {
-                invalid_slice(&format!("{STEP}{path}"), "is not one i64 ≥ 0".to_string())
-            })?;
-            let whole_shape = self.layout.shape(path)?;
-            let device = param.lazy_device();
-            let moment = |prefix: &str| {
-                let stored = format!("{prefix}{path}");
-                let data = self.tensors.get(&stored)?;
-                if data.shape.to_vec() != whole_shape {
-                    let reason = format!(
-                        "it is {:?} in the checkpoint, but the whole parameter is {whole_shape:?}",
-                        data.shape.to_vec()
-                    );
-                    return Some(Err(invalid_slice(&stored, reason)));
-                }
-                let whole = Tensor::<B::InnerBackend, D>::from_data(data.clone(), &device);
-                Some(Ok(self.layout.plan.local_part(path, whole)))
-            };
-            let needed = |prefix: &str| {
-                moment(prefix).unwrap_or_else(|| {
-                    let reason = format!("is missing, but {STEP}{path} is in the checkpoint");
-                    Err(invalid_slice(&format!("{prefix}{path}"), reason))
-                })
-            };
-            let momentum = AdaptiveMomentumState {
-                time: step,
-                moment_1: needed(EXP_AVG)?,
-                moment_2: needed(EXP_AVG_SQ)?,
-                max_moment_2: moment(MAX_EXP_AVG_SQ).transpose()?,
-            };
-            Ok(Some(AdaptorRecord::from_state(O::from_momentum(momentum))))
+    let loaded = optimizer_records::<B, M, O>(layout, module, tensors)?;
+    let mut record = optimizer.to_record();
+    record.extend(loaded);
+    Ok(optimizer.load_record(record))
+}
+
+/// One parameter's record in Burn's optimizer adaptor over `O`, with the parameter's id.
+pub type ParamRecord<O, B> = (ParamId, AdaptorRecord<O, B>);
+
+/// The records Burn's optimizer adaptor over `O` keeps for the parameters of `module` that
+/// `tensors` holds state for, by id, as [`load_optimizer`] reads them (for an adaptor whose
+/// module holds `module`, e.g. one pipeline stage of several).
+pub fn optimizer_records<B, M, O>(
+    layout: &ModuleLayout,
+    module: &M,
+    tensors: &BTreeMap<String, TensorData>,
+) -> Result<Vec<ParamRecord<O, B>>, CheckpointError>
+where
+    B: AutodiffBackend,
+    M: Module<B>,
+    O: MomentState<B::InnerBackend>,
+{
+    struct Records<O: SimpleOptimizer<B::InnerBackend>, B: AutodiffBackend>(Vec<ParamRecord<O, B>>);
+    impl<O: MomentState<B::InnerBackend>, B: AutodiffBackend> MomentSink<B> for Records<O, B> {
+        fn take<const D: usize>(
+            &mut self,
+            _: &str,
+            id: ParamId,
+            momentum: AdaptiveMomentumState<B::InnerBackend, D>,
+        ) -> Result<(), CheckpointError> {
+            let state = O::from_momentum(momentum);
+            self.0.push((id, AdaptorRecord::from_state(state)));
+            Ok(())
         }
     }
-    impl<O: MomentState<B::InnerBackend>, B: AutodiffBackend> ParamFn<B> for Load<'_, O, B> {
+    let mut records = Records::<O, B>(Vec::new());
+    read_moments(layout, module, tensors, &mut records)?;
+    Ok(records.0)
+}
+
+/// The moments of the parameters of `module` that `tensors` holds state for, flattened, by id,
+/// as [`load_optimizer`] reads them: what a ZeRO optimizer restores
+/// ([`crate::fsdp::ZeroOptimizer::set_moments`]). ZeRO's AdamW keeps no AMSGrad maximum, so a
+/// checkpoint with one is refused.
+pub fn flat_moments<B: AutodiffBackend, M: Module<B>>(
+    layout: &ModuleLayout,
+    module: &M,
+    tensors: &BTreeMap<String, TensorData>,
+) -> Result<HashMap<ParamId, FullMoments<B::InnerBackend>>, CheckpointError> {
+    struct Flat<B: Backend>(HashMap<ParamId, FullMoments<B>>);
+    impl<A: AutodiffBackend> MomentSink<A> for Flat<A::InnerBackend> {
+        fn take<const D: usize>(
+            &mut self,
+            path: &str,
+            id: ParamId,
+            momentum: AdaptiveMomentumState<A::InnerBackend, D>,
+        ) -> Result<(), CheckpointError> {
+            if momentum.max_moment_2.is_some() {
+                let reason = "is in the checkpoint, but ZeRO's AdamW keeps no AMSGrad maximum";
+                return Err(invalid_slice(
+                    &format!("{MAX_EXP_AVG_SQ}{path}"),
+                    reason.into(),
+                ));
+            }
+            let numel = momentum.moment_1.shape().num_elements();
+            let moments = FullMoments {
+                exp_avg: momentum.moment_1.reshape([numel]),
+                exp_avg_sq: momentum.moment_2.reshape([numel]),
+                time: momentum.time,
+            };
+            self.0.insert(id, moments);
+            Ok(())
+        }
+    }
+    let mut flat = Flat::<B::InnerBackend>(HashMap::new());
+    read_moments(layout, module, tensors, &mut flat)?;
+    Ok(flat.0)
+}
+
+/// Where [`read_moments`] puts each parameter's moments.
+trait MomentSink<B: AutodiffBackend> {
+    fn take<const D: usize>(
+        &mut self,
+        path: &str,
+        id: ParamId,
+        momentum: AdaptiveMomentumState<B::InnerBackend, D>,
+    ) -> Result<(), CheckpointError>;
+}
+
+/// Hands `sink` this rank's part of the moments of every parameter of `module` that `tensors`
+/// holds a step count for (a copy's are its original's, see [`ModuleLayout::with_copy`]).
+fn read_moments<B: AutodiffBackend, M: Module<B>, S: MomentSink<B>>(
+    layout: &ModuleLayout,
+    module: &M,
+    tensors: &BTreeMap<String, TensorData>,
+    sink: &mut S,
+) -> Result<(), CheckpointError> {
+    struct Read<'a, S> {
+        layout: &'a ModuleLayout,
+        tensors: &'a BTreeMap<String, TensorData>,
+        sink: &'a mut S,
+        error: Option<CheckpointError>,
+    }
+    impl<B: AutodiffBackend, S: MomentSink<B>> ParamFn<B> for Read<'_, S> {
         fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
             if self.error.is_some() {
                 return;
             }
-            match self.record(path, param) {
-                Ok(Some(record)) => self.records.push((param.id, record)),
-                Ok(None) => {}
-                Err(error) => self.error = Some(error),
+            let device = param.lazy_device();
+            let read =
+                local_momentum::<B::InnerBackend, D>(self.layout, self.tensors, path, &device);
+            let taken = match read {
+                Ok(Some(momentum)) => self.sink.take(path, param.id, momentum),
+                Ok(None) => Ok(()),
+                Err(error) => Err(error),
+            };
+            if let Err(error) = taken {
+                self.error = Some(error);
             }
         }
     }
-    let mut load = Load::<O, B> {
+    let mut read = Read {
         layout,
         tensors,
-        records: Vec::new(),
+        sink,
         error: None,
     };
-    for_each_param(module, layout.paths.clone(), &mut load);
-    if let Some(error) = load.error {
-        return Err(error);
-    }
-    let mut record = optimizer.to_record();
-    record.extend(load.records);
-    Ok(optimizer.load_record(record))
+    for_each_param(module, layout.paths.clone(), &mut read);
+    read.error.map_or(Ok(()), Err)
+}
+
+/// This rank's part under `layout`'s plan of the moments of parameter `path` in `tensors`
+/// (whole, by stored name), with their step count; `None` when `tensors` has no step count for
+/// it.
+fn local_momentum<B: Backend, const D: usize>(
+    layout: &ModuleLayout,
+    tensors: &BTreeMap<String, TensorData>,
+    path: &str,
+    device: &B::Device,
+) -> Result<Option<AdaptiveMomentumState<B, D>>, CheckpointError> {
+    let stored = layout.stored_path(path);
+    let Some(step) = tensors.get(&format!("{STEP}{stored}")) else {
+        return Ok(None);
+    };
+    let step = (step.to_vec::<i64>().ok())
+        .and_then(|steps| steps.first().copied())
+        .and_then(|step| usize::try_from(step).ok());
+    let step = step.ok_or_else(|| {
+        invalid_slice(&format!("{STEP}{stored}"), "is not one i64 ≥ 0".to_string())
+    })?;
+    let whole_shape = layout.shape(path)?;
+    let moment = |prefix: &str| {
+        let name = format!("{prefix}{stored}");
+        let data = tensors.get(&name)?;
+        if data.shape.to_vec() != whole_shape {
+            let reason = format!(
+                "it is {:?} in the checkpoint, but the whole parameter is {whole_shape:?}",
+                data.shape.to_vec()
+            );
+            return Some(Err(invalid_slice(&name, reason)));
+        }
+        let whole = Tensor::<B, D>::from_data(data.clone(), device);
+        Some(Ok(layout.plan.local_part(path, whole)))
+    };
+    let needed = |prefix: &str| {
+        moment(prefix).unwrap_or_else(|| {
+            let reason = format!("is missing, but {STEP}{stored} is in the checkpoint");
+            Err(invalid_slice(&format!("{prefix}{stored}"), reason))
+        })
+    };
+    Ok(Some(AdaptiveMomentumState {
+        time: step,
+        moment_1: needed(EXP_AVG)?,
+        moment_2: needed(EXP_AVG_SQ)?,
+        max_moment_2: moment(MAX_EXP_AVG_SQ).transpose()?,
+    }))
 }

@@ -52,17 +52,18 @@ pub struct ZeroSlices {
 }
 
 impl ZeroSlices {
-    /// The pieces `zero` holds, of the parameters `paths` names by id (`layout`'s paths; a
-    /// parameter absent from `paths` is a copy stored under another name and skipped), that
-    /// this tensor-parallel rank stores.
+    /// The pieces `zero` holds, of the parameters `paths` names by id (`layout`'s paths), that
+    /// this tensor-parallel rank stores; a copy of another parameter
+    /// ([`ModuleLayout::with_copy`]) is stored as its original, by the original's owner.
     pub fn of<B: burn::tensor::backend::Backend>(
         zero: &ZeroOptimizer<B>,
         paths: &BTreeMap<ParamId, String>,
         layout: &ModuleLayout,
     ) -> Result<Self, ZeroCheckpointError> {
         let mut out = Self::default();
+        let original = |id: ParamId| paths.get(&id).filter(|p| !layout.copies.contains_key(*p));
         for piece in zero.pieces()? {
-            let Some(path) = paths.get(&piece.id) else {
+            let Some(path) = original(piece.id) else {
                 continue;
             };
             if let Some(stored) = flat_name(layout, path)? {
@@ -73,7 +74,7 @@ impl ZeroSlices {
             }
         }
         for slot in zero.layout().buckets.iter().flat_map(|b| &b.slots) {
-            let Some(path) = paths.get(&slot.param.id) else {
+            let Some(path) = original(slot.param.id) else {
                 continue;
             };
             if let Some(stored) = flat_name(layout, path)? {

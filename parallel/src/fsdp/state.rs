@@ -7,6 +7,7 @@ use burn::module::ParamId;
 use burn::optim::AdamWState;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use wildfire_backend::comm::{CommError, ProcessGroup};
 
 use super::{Flat, Moments, ZeroError, ZeroOptimizer, ZeroStage, intersect, owned_part, to_host};
 
@@ -24,6 +25,42 @@ impl StateBytes {
     /// Device-side model state: parameters, gradients and on-device optimizer state.
     pub fn device_total(&self) -> usize {
         self.params + self.grads + self.optimizer_device
+    }
+
+    /// Every rank's figures, by rank of `group` (a collective over it).
+    pub fn gather(&self, group: &ProcessGroup) -> Result<Vec<Self>, CommError> {
+        let kinds = [
+            self.params,
+            self.grads,
+            self.optimizer_device,
+            self.optimizer_host,
+        ];
+        let rows = group.all_gather_values(&kinds.map(|bytes| bytes as f64))?;
+        Ok(rows
+            .iter()
+            .map(|row| Self {
+                params: row[0] as usize,
+                grads: row[1] as usize,
+                optimizer_device: row[2] as usize,
+                optimizer_host: row[3] as usize,
+            })
+            .collect())
+    }
+}
+
+/// In MiB: parameters, gradients, optimizer state on the device and in host memory.
+impl std::fmt::Display for StateBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |bytes: usize| bytes as f64 / f64::from(1 << 20);
+        write!(
+            f,
+            "parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB on the device + \
+             {:.2} MiB in host memory",
+            mib(self.params),
+            mib(self.grads),
+            mib(self.optimizer_device),
+            mib(self.optimizer_host)
+        )
     }
 }
 

@@ -10,45 +10,46 @@
 //! of data-parallel replicas only the first writes what they all hold (parameters, and moments
 //! under ZeRO 0); under ZeRO 1–3 every rank writes its owned parts of the moments (and under
 //! ZeRO 3 of the parameters) as pieces of the flattened tensor (see
-//! `wildfire_parallel::checkpoint::zero`). Under tensor parallelism a rank writes the boxes of the global tensors it
-//! holds (a fused QKV part is 3 boxes) and, of a tensor every tensor-parallel rank holds whole,
-//! only the first rank writes it. Loading joins the pieces and
-//! boxes of every file (and places the parts into the whole tensors), so a checkpoint resumes
-//! under any ZeRO stage, pipeline layout and tensor-parallel degree.
+//! `wildfire_parallel::checkpoint::zero`). Under tensor parallelism a rank writes the boxes of
+//! the global tensors it holds (a fused QKV part is 3 boxes) and, of a tensor every
+//! tensor-parallel rank holds whole, only the first rank writes it. The head's copy of a tied
+//! embedding is stored as the embedding. AdamW's step counts go into the manifest's state.
+//! Loading joins the pieces and boxes of every file (and places the parts into the whole
+//! tensors), so a checkpoint resumes under any ZeRO stage, pipeline layout and tensor-parallel
+//! degree; the library gives each rank its part of the moments
+//! (`wildfire_parallel::checkpoint::optimizer`).
 
 pub use wildfire_parallel::checkpoint::crash::{CRASH_ENV, CrashPoint, crash_point};
 pub use wildfire_parallel::checkpoint::distributed::Snapshot;
 pub use wildfire_parallel::checkpoint::store;
 pub use wildfire_parallel::checkpoint::{BackgroundWriter, prune};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use burn::module::Param;
-use burn::optim::record::AdaptorRecord;
-use burn::optim::{AdamWState, AdaptiveMomentumState, Optimizer};
+use burn::module::{Param, ParamId};
+use burn::optim::{AdamWState, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
-use wildfire_parallel::precision::DynamicLossScaler;
-
-use crate::config::RunConfig;
-use crate::data::{Cursor, TokenizerKind};
 use wildfire_backend::comm::ProcessGroup;
-
-use crate::model::params::{ParamFn, collect_params, load_params, param_names};
-use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
-use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
-use burn::module::ParamId;
 pub use wildfire_parallel::checkpoint::module::ModuleLayout;
-use wildfire_parallel::checkpoint::optimizer::{EXP_AVG, EXP_AVG_SQ};
+use wildfire_parallel::checkpoint::optimizer::{
+    EXP_AVG, EXP_AVG_SQ, STEP, flat_moments, optimizer_records,
+};
 use wildfire_parallel::checkpoint::slices::join_slices;
 use wildfire_parallel::checkpoint::zero::{
     ZeroSlices, gather_union, join_tensor_parallel_parts, param_of, shaped,
 };
 use wildfire_parallel::fsdp::{FullMoments, ZeroStage};
-use wildfire_parallel::tp::TpPlan;
+use wildfire_parallel::precision::DynamicLossScaler;
+
+use crate::config::RunConfig;
+use crate::data::{Cursor, TokenizerKind};
+use crate::model::params::{ParamFn, collect_params, global_paths, load_params, param_names};
+use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
+use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 
 /// The non-tensor part of a checkpoint (the manifest's `state`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -159,8 +160,7 @@ pub fn snapshot<B: AutodiffBackend>(
         let params = model
             .chunks
             .iter()
-            .flat_map(|chunk| collect_params(chunk, chunk.first_block))
-            .filter(|(name, _, _)| name != TIED_COPY);
+            .flat_map(|chunk| collect_params(chunk, chunk.first_block));
         for (name, _, data) in params {
             if layout.stores(&name)? {
                 slices.extend(layout.param_slices(&name, name.clone(), data)?);
@@ -186,7 +186,7 @@ pub fn snapshot<B: AutodiffBackend>(
         Optimizers::Replicated { .. } => {}
         Optimizers::Sharded(_) => {
             let zero = optimizers.zero().context("a sharded optimizer")?;
-            let part = ZeroSlices::of(&zero, &stored_paths(model), layout)?;
+            let part = ZeroSlices::of(&zero, &names_by_id(model), layout)?;
             slices.extend(part.slices);
             (steps, shapes) = (part.steps, part.flat_shapes);
         }
@@ -201,15 +201,12 @@ pub fn snapshot<B: AutodiffBackend>(
     })
 }
 
-/// The global name of every parameter stored under its own name, by id (the tied copy of the
-/// token embedding is stored as the embedding).
-fn stored_paths<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
+/// The global name of every parameter, by id.
+fn names_by_id<B: Backend>(model: &GptChunks<B>) -> BTreeMap<ParamId, String> {
     struct Names(BTreeMap<ParamId, String>);
     impl<B: Backend> ParamFn<B> for Names {
         fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-            if name != TIED_COPY {
-                self.0.insert(param.id, name.to_string());
-            }
+            self.0.insert(param.id, name.to_string());
         }
     }
     let mut names = Names(BTreeMap::new());
@@ -245,7 +242,12 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             params.insert(name, data);
         }
     }
-    let moments = join_tensor_parallel_parts(moments, &params, TP_PLAN)?;
+    let mut moments = join_tensor_parallel_parts(moments, &params, TP_PLAN)?;
+    // The manifest keeps AdamW's step counts; the library reads them as tensors.
+    for (name, &time) in &state.optimizer_steps {
+        let time = TensorData::new(vec![time as i64], [1]);
+        moments.insert(format!("{STEP}{name}"), time);
+    }
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,
@@ -288,150 +290,40 @@ impl Loaded {
         Ok(load_params(model, first, needed, &source)?)
     }
 
-    /// The moment `prefix` (`EXP_AVG` or `EXP_AVG_SQ`) of the parameter stored as `stored`, as
-    /// this rank holds it: its part under `plan` (see [`TpPlan::local_part`]) of the whole
-    /// moment (a flattened one is first reshaped), which must come out in the parameter's
-    /// `shape`.
-    fn moment<B: Backend, const D: usize>(
-        &self,
-        prefix: &str,
-        stored: &str,
-        shape: [usize; D],
-        plan: &TpPlan,
-        device: &B::Device,
-    ) -> Option<Tensor<B, D>> {
-        let data = self.moments.get(&format!("{prefix}{stored}"))?;
-        let global = self
-            .params
-            .get(stored)
-            .map_or(shape.to_vec(), |p| p.shape.to_vec());
-        let whole = Tensor::<B, D>::from_data(shaped(data, &global)?, device);
-        let part = plan.local_part(stored, whole);
-        (part.dims() == shape).then_some(part)
-    }
-
     /// The moments of every parameter of `model` that has them, flat, by id (to restore a
-    /// sharded optimizer from). The tied copy's are the embedding's.
+    /// sharded optimizer from): this rank's parts of them under `layout`.
     pub fn moments_by_id<B: AutodiffBackend>(
         &self,
         model: &GptChunks<B>,
-        plan: &TpPlan,
-    ) -> anyhow::Result<std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>> {
-        struct Gather<'a, B: AutodiffBackend> {
-            loaded: &'a Loaded,
-            plan: &'a TpPlan,
-            found: std::collections::HashMap<ParamId, FullMoments<B::InnerBackend>>,
-            error: Option<anyhow::Error>,
+        layout: &ModuleLayout,
+    ) -> anyhow::Result<HashMap<ParamId, FullMoments<B::InnerBackend>>> {
+        let mut found = HashMap::new();
+        for (chunk, layout) in model.chunks.iter().zip(chunk_layouts(model, layout)) {
+            found.extend(flat_moments(&layout, chunk, &self.moments)?);
         }
-        impl<B: AutodiffBackend> ParamFn<B> for Gather<'_, B> {
-            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                let stored = stored_name(name);
-                let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
-                    return;
-                };
-                let value = param.val().inner();
-                let (device, shape) = (value.device(), value.dims());
-                let numel = value.shape().num_elements();
-                let take = |prefix: &str| {
-                    let moment = self
-                        .loaded
-                        .moment::<B::InnerBackend, D>(prefix, stored, shape, self.plan, &device);
-                    moment.map(|m| m.reshape([numel]))
-                };
-                match (take(EXP_AVG), take(EXP_AVG_SQ)) {
-                    (Some(exp_avg), Some(exp_avg_sq)) => {
-                        self.found.insert(
-                            param.id,
-                            FullMoments {
-                                exp_avg,
-                                exp_avg_sq,
-                                time,
-                            },
-                        );
-                    }
-                    _ => {
-                        self.error.get_or_insert_with(|| {
-                            anyhow::anyhow!(
-                                "optimizer moments of {stored} are missing from the checkpoint, \
-                                 or this rank's part of them does not have the parameter's \
-                                 shape {shape:?}"
-                            )
-                        });
-                    }
-                }
-            }
-        }
-        let mut gather = Gather::<B> {
-            loaded: self,
-            plan,
-            found: Default::default(),
-            error: None,
-        };
-        model.for_each_param(&mut gather);
-        match gather.error {
-            Some(error) => Err(error),
-            None => Ok(gather.found),
-        }
+        Ok(found)
     }
 
-    /// Restores AdamW's moments onto `optimizer`, keyed by the ids of `model`'s parameters
-    /// (this rank's parts of them under `plan`).
+    /// `optimizer` with AdamW's moments restored, keyed by the ids of `model`'s parameters
+    /// (this rank's parts of them under `layout`).
     pub fn apply_moments<B: AutodiffBackend>(
         &self,
         model: &GptChunks<B>,
-        optimizer: &ChunksOptimizer<B>,
-        plan: &TpPlan,
-    ) -> anyhow::Result<()> {
-        struct Restore<'a, B: AutodiffBackend> {
-            loaded: &'a Loaded,
-            plan: &'a TpPlan,
-            records: ChunksRecord<B>,
-            error: Option<anyhow::Error>,
+        optimizer: ChunksOptimizer<B>,
+        layout: &ModuleLayout,
+    ) -> anyhow::Result<ChunksOptimizer<B>> {
+        let mut records = Vec::new();
+        for (chunk, layout) in model.chunks.iter().zip(chunk_layouts(model, layout)) {
+            let found = optimizer_records::<B, _, MatrixDecayAdamW>(&layout, chunk, &self.moments);
+            records.extend(found?);
         }
-        impl<B: AutodiffBackend> ParamFn<B> for Restore<'_, B> {
-            fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
-                let stored = stored_name(name);
-                let Some(&time) = self.loaded.state.optimizer_steps.get(stored) else {
-                    return;
-                };
-                let value = param.val().inner();
-                let (device, shape) = (value.device(), value.dims());
-                let take = |prefix: &str| {
-                    self.loaded
-                        .moment(prefix, stored, shape, self.plan, &device)
-                };
-                match (take(EXP_AVG), take(EXP_AVG_SQ)) {
-                    (Some(m1), Some(m2)) => {
-                        let state = AdamWState::new(AdaptiveMomentumState::new(time, m1, m2));
-                        self.records.insert(
-                            param.id,
-                            AdaptorRecord::<MatrixDecayAdamW, B>::from_state(state),
-                        );
-                    }
-                    _ => {
-                        self.error.get_or_insert_with(|| {
-                            anyhow::anyhow!(
-                                "optimizer moments of {stored} are missing from the checkpoint, \
-                                 or this rank's part of them does not have the parameter's \
-                                 shape {shape:?}"
-                            )
-                        });
-                    }
-                }
-            }
-        }
-        let mut restore = Restore::<B> {
-            loaded: self,
-            plan,
-            records: Default::default(),
-            error: None,
-        };
-        model.for_each_param(&mut restore);
-        if let Some(error) = restore.error {
-            return Err(error);
-        }
-        let records = restore.records;
-        optimizer.clone().load_record(records);
-        Ok(())
+        Ok(optimizer.load_record(records.into_iter().collect()))
     }
+}
+
+/// The layout of each chunk of `model`: its blocks named by their global numbers.
+fn chunk_layouts<B: Backend>(model: &GptChunks<B>, layout: &ModuleLayout) -> Vec<ModuleLayout> {
+    (model.chunks.iter())
+        .map(|chunk| layout.clone().at(global_paths(chunk.first_block)))
+        .collect()
 }

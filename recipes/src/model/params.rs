@@ -13,7 +13,7 @@ pub use wildfire_parallel::paths::ParamFn;
 
 /// The paths of a stage whose first block is `first_block` of the whole model: blocks numbered
 /// globally.
-fn global_paths(first_block: usize) -> PathStack {
+pub fn global_paths(first_block: usize) -> PathStack {
     PathStack::numbered_from("blocks", first_block)
 }
 

@@ -8,9 +8,11 @@
 //!         micro-batches
 //!     run the pipeline schedule over them (or, under ZeRO 3, the sharded units): each
 //!         micro-batch's backward starts from (Σ token losses) / (tokens in the global batch)
-//!     sum the micro-batch gradients; reduce them over the data-parallel ranks (DDP or ZeRO,
-//!         see `update`); clip by the global norm (over every rank)
-//!     AdamW step at lr(s); log loss, lr, grad norm, tokens/s, MFU (and the pipeline's bubble)
+//!         (`wildfire_parallel::split`, which sums the micro-batches' gradients)
+//!     the Learner's optimizer step (`wildfire_parallel::learner_update`): reduce the gradients
+//!         over the data-parallel ranks (DDP or ZeRO); clip by the global norm (over every
+//!         rank); AdamW step at lr(s)
+//!     log loss, lr, grad norm, tokens/s, MFU (and the pipeline's bubble)
 //!     every eval_every steps: validation loss; every checkpoint.every steps: checkpoint
 //! ```
 //!
@@ -158,16 +160,15 @@ impl<B: TrainBackend> StepLoop<B> {
         let tensor_comm = split.tensor.comm_time();
         let heap = crate::alloc::registered().map(|heap| (heap, heap.start_window()));
         let zero = self.optimizer.update().zero();
-        let step = split.gradients(&model.chunks, &micro, zero.as_deref(), &device)?;
-        drop(zero);
+        let passes = split.gradients(&model.chunks, &micro, zero.as_deref(), &device)?;
+        drop((zero, model));
         let activation_peak_mib =
             heap.map(|(heap, before)| heap.window_peak().saturating_sub(before) as f64 / MIB);
         // The tensor-parallel collectives inside the forwards and backwards (and the
         // sequence-parallel gradient sums).
         let tensor_comm = split.tensor.comm_time().saturating_sub(tensor_comm);
-        let rank = &self.rank;
         self.optimizer.set_loss_scale(loss_scale);
-        learner.optimizer_step(step.grads);
+        learner.optimizer_step(passes.grads);
         let update = self.optimizer.take_stats()?;
         if update.grad_norm.is_none() && self.scaler.is_none() {
             bail!(
@@ -185,8 +186,8 @@ impl<B: TrainBackend> StepLoop<B> {
                 skipped_steps: scaler.skipped_steps(),
             }
         });
-        let loss_sum = split.world_loss(&rank.world, step.stats.loss)?;
-        let pipeline = PipelineReport::gather(&step.stats, &split.pipe, &split.plan)?;
+        let loss_sum = split.world_loss(&self.rank.world, passes.stats.loss)?;
+        let pipeline = PipelineReport::gather(&passes.stats, &split.pipe, &split.plan)?;
         let seconds = started.elapsed().as_secs_f64();
         let tokens_per_sec = tokens as f64 / seconds;
         let output = StepOutput {
@@ -200,7 +201,9 @@ impl<B: TrainBackend> StepLoop<B> {
                 .peak_flops
                 .map(|peak| self.settings.flops_per_token * tokens_per_sec / peak),
             bubble: pipeline.as_ref().map(PipelineReport::worst_bubble),
-            comm_ms: Some(1e3 * (update.reduce.comm + step.unit_comm + tensor_comm).as_secs_f64()),
+            comm_ms: Some(
+                1e3 * (update.reduce.comm + passes.unit_comm + tensor_comm).as_secs_f64(),
+            ),
             loss_scale,
             activation_peak_mib,
         };

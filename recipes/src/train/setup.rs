@@ -40,9 +40,10 @@ use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
 use crate::model::{
-    Gpt, GptChunks, GptConfig, SEQUENCE_DIM, StageSpec, TP_PLAN, whole_model_rules,
+    Gpt, GptChunks, GptConfig, SEQUENCE_DIM, StageSpec, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN,
+    whole_model_rules,
 };
-use crate::optim::{MatrixDecayAdamW, SharedOptimizer, WarmupCosine};
+use crate::optim::{MatrixDecayAdamW, WarmupCosine};
 use crate::{CpuBackend, TrainBackend};
 use wildfire_parallel::tp::{SequencePartial, TpPlan, apply_plan};
 
@@ -568,7 +569,10 @@ fn build_model<B: TrainBackend>(
         (None, Some(source)) => crate::hf::init_from(whole, source)?,
         (None, None) => whole,
     };
-    let layout = ModuleLayout::of(&whole, tp_plan);
+    let layout = match model_config.tie_embeddings {
+        true => ModuleLayout::of(&whole, tp_plan).with_copy(TIED_COPY, TOKEN_EMBEDDING)?,
+        false => ModuleLayout::of(&whole, tp_plan),
+    };
     let split_plan = TpPlan::new(&whole_model_rules(model_config), tp_rank, tp_size)
         .with_sequence_parallel(sequence_dim);
     let whole = apply_plan(whole, &split_plan, tensor)?;
@@ -644,9 +648,9 @@ fn build_optimizers<B: TrainBackend>(
     let stage = mesh.dims().zero;
     let adamw = MatrixDecayAdamW::new(&config.train);
     if stage == ZeroStage::Replicated {
-        let optimizer = SharedOptimizer::new(OptimizerAdaptor::from(adamw));
+        let mut optimizer = OptimizerAdaptor::from(adamw);
         if let Some(loaded) = resumed {
-            loaded.apply_moments(&model, &optimizer, &layout.plan)?;
+            optimizer = loaded.apply_moments(&model, optimizer, layout)?;
         }
         let buckets = FlatLayout::of_module(&model, bucket_bytes);
         return Ok((model, Optimizers::replicated(optimizer, buckets)));
@@ -660,7 +664,7 @@ fn build_optimizers<B: TrainBackend>(
         config.parallel.offload_optimizer,
     );
     if let Some(loaded) = resumed {
-        zero.set_moments(&loaded.moments_by_id(&model, &layout.plan)?)?;
+        zero.set_moments(&loaded.moments_by_id(&model, layout)?)?;
     }
     let model = match stage {
         ZeroStage::ShardParameters => {
@@ -910,25 +914,11 @@ fn report_state_bytes<B: TrainBackend>(
     stage: ZeroStage,
     offload: bool,
 ) -> anyhow::Result<()> {
-    let bytes = optimizers.state_bytes();
-    let all = world.all_gather_values(&[
-        bytes.params as f64,
-        bytes.grads as f64,
-        bytes.optimizer_device as f64,
-        bytes.optimizer_host as f64,
-    ])?;
+    let all = optimizers.state_bytes().gather(world)?;
     if world.rank() == 0 {
-        let mib = |b: f64| b / f64::from(1 << 20);
-        for (rank, row) in all.iter().enumerate() {
-            println!(
-                "model state, rank {rank} ({stage}{}): parameters {:.2} MiB, gradients {:.2} MiB, \
-                 optimizer {:.2} MiB on the device + {:.2} MiB in host memory",
-                if offload { ", offload" } else { "" },
-                mib(row[0]),
-                mib(row[1]),
-                mib(row[2]),
-                mib(row[3]),
-            );
+        let offload = if offload { ", offload" } else { "" };
+        for (rank, bytes) in all.iter().enumerate() {
+            println!("model state, rank {rank} ({stage}{offload}): {bytes}");
         }
     }
     Ok(())
