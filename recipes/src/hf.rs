@@ -20,8 +20,10 @@ use burn::backend::Flex;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::SafeTensors;
+use wildfire_parallel::checkpoint::module::ModuleLayout;
+use wildfire_parallel::tp::TpPlan;
 
-use crate::model::params::{collect_params, load_params};
+use crate::model::params::collect_params;
 use crate::model::{Gpt, GptConfig};
 
 const PREFIX: &str = "transformer.";
@@ -131,13 +133,9 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
             unknown.join(", ")
         );
     }
-    let first = model.first_block;
-    Ok(load_params(
-        model,
-        first,
-        tensors,
-        &path.display().to_string(),
-    )?)
+    let layout = ModuleLayout::of(&model, TpPlan::serial());
+    let source = || path.display().to_string();
+    layout.load(model, &tensors).with_context(source)
 }
 
 /// Hugging Face's `config.json` for a GPT2LMHeadModel of these sizes.

@@ -44,11 +44,12 @@ use wildfire_parallel::checkpoint::zero::{
 };
 use wildfire_parallel::fsdp::{FullMoments, ZeroStage};
 use wildfire_parallel::precision::DynamicLossScaler;
+use wildfire_parallel::tp::TpPlan;
 
 use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
-use crate::model::params::{ParamFn, collect_params, global_paths, load_params, param_names};
-use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN};
+use crate::model::params::{ParamFn, collect_params, global_paths};
+use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TP_PLAN};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 
 /// The non-tensor part of a checkpoint (the manifest's `state`).
@@ -80,16 +81,6 @@ pub struct TrainState {
     /// fp16's loss scaler after `step` steps (fp16 runs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scaler: Option<DynamicLossScaler>,
-}
-
-/// The name a parameter is stored under: the head's tied copy of the token embedding is the
-/// embedding (see `Head::wte`); every other parameter is itself.
-fn stored_name(name: &str) -> &str {
-    if name == TIED_COPY {
-        TOKEN_EMBEDDING
-    } else {
-        name
-    }
 }
 
 type ChunksOptimizer<B> = GptOptimizer<GptChunks<B>, B>;
@@ -274,20 +265,12 @@ pub fn resolve(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 impl Loaded {
-    /// `model` (a whole model or one stage of one) with the checkpoint's parameters (ids
-    /// kept). Only the names the model holds are taken, so a checkpoint of any pipeline
-    /// layout loads into any other; the tied copy of the token embedding is the embedding.
+    /// The whole `model` with the checkpoint's parameters (ids kept): a checkpoint of any
+    /// pipeline layout and tensor-parallel degree loads into the whole model.
     pub fn apply_params<B: Backend>(&self, model: Gpt<B>) -> anyhow::Result<Gpt<B>> {
-        let source = format!("checkpoint {}", self.dir.display());
-        let first = model.first_block;
-        let mut needed = BTreeMap::new();
-        for name in param_names(&model, first) {
-            let stored = stored_name(&name);
-            if let Some(data) = self.params.get(stored) {
-                needed.insert(name, data.clone());
-            }
-        }
-        Ok(load_params(model, first, needed, &source)?)
+        let layout = ModuleLayout::of(&model, TpPlan::serial());
+        let source = || format!("checkpoint {}", self.dir.display());
+        layout.load(model, &self.params).with_context(source)
     }
 
     /// The moments of every parameter of `model` that has them, flat, by id (to restore a
