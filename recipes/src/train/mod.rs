@@ -124,6 +124,12 @@ pub struct StepLoop<B: TrainBackend> {
 
 const MIB: f64 = (1 << 20) as f64;
 
+/// Model FLOPs utilisation: the job's model FLOP/s (`flops_per_token` × the job's tokens/s)
+/// over what its `ranks` devices of `peak` FLOP/s each can do.
+pub fn mfu(flops_per_token: f64, tokens_per_sec: f64, ranks: usize, peak: f64) -> f64 {
+    flops_per_token * tokens_per_sec / (ranks as f64 * peak)
+}
+
 /// The backend seed of step `s`: dropout masks depend only on `(seed, s)`.
 pub fn step_seed(seed: u64, step: u64) -> u64 {
     SplitMix64::new(seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64()
@@ -196,10 +202,10 @@ impl<B: TrainBackend> StepLoop<B> {
             step_loss: Some(loss_sum / tokens as f64),
             grad_norm: Some(update.grad_norm.unwrap_or(f64::INFINITY)),
             tokens_per_sec: Some(tokens_per_sec),
-            mfu: self
-                .settings
-                .peak_flops
-                .map(|peak| self.settings.flops_per_token * tokens_per_sec / peak),
+            mfu: (self.settings.peak_flops).map(|peak| {
+                let ranks = self.rank.world.size();
+                mfu(self.settings.flops_per_token, tokens_per_sec, ranks, peak)
+            }),
             bubble: pipeline.as_ref().map(PipelineReport::worst_bubble),
             comm_ms: Some(
                 1e3 * (update.reduce.comm + passes.unit_comm + tensor_comm).as_secs_f64(),
@@ -320,77 +326,22 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
         SupervisedTrainingEventProcessor<GptComponents<B>>,
     ) {
         let mut events = components.event_processor;
-        let settings = &self.settings;
         let mut batches = train.iter();
-        for step in settings.start_step..settings.max_steps {
-            let (output, pipeline) = match self.step(&mut learner, &mut *batches, step) {
-                Ok(done) => done,
+        for step in self.settings.start_step..self.settings.max_steps {
+            let stopped = self
+                .train_and_log(&mut learner, &mut *batches, &mut events, step)
+                .and_then(|logged| self.stop_vote(components.interrupter.should_stop() || !logged))
+                .and_then(|stop| {
+                    self.evaluate_and_checkpoint(&learner, &valid, &mut events, step + 1, stop)?;
+                    Ok(stop)
+                });
+            match stopped {
+                Ok(false) => {}
+                Ok(true) => break,
                 Err(error) => {
-                    self.record_error(error.context(format!("step {step}")));
+                    self.record_error(error);
                     break;
                 }
-            };
-            let lr = learner.lr_current();
-            let record = StepRecord {
-                step,
-                loss: output.step_loss.unwrap_or(f64::NAN),
-                lr,
-                grad_norm: output.grad_norm.unwrap_or(f64::NAN),
-                tokens_per_sec: output.tokens_per_sec.unwrap_or(f64::NAN),
-                mfu: output.mfu,
-                step_time_ms: 1e3 * output.tokens as f64
-                    / output.tokens_per_sec.unwrap_or(f64::NAN),
-                comm_ms: output.comm_ms.unwrap_or_default(),
-                loss_scale: output.loss_scale,
-                activation_peak_mib: output.activation_peak_mib,
-                pipeline,
-            };
-            lock(&self.losses).push(record.loss);
-            let logged = self.to_sink(|sink| sink.log_step(&record));
-            events.process_train(LearnerEvent::ProcessedItem(item(
-                output,
-                step,
-                settings.max_steps,
-                Some(lr),
-            )));
-            let done = step + 1;
-            let last = done == settings.max_steps;
-            // Every rank stops together: a stop request or a failed metrics write on any rank
-            // stops all of them (after the checkpoint below).
-            let stop = match self.rank.world.sum_value(f64::from(u8::from(
-                components.interrupter.should_stop() || !logged,
-            ))) {
-                Ok(votes) => votes > 0.0,
-                Err(error) => {
-                    self.record_error(error.into());
-                    break;
-                }
-            };
-            if settings.eval_every > 0 && (done % settings.eval_every == 0 || last) {
-                let eval = match self.evaluate(&learner.model(), &valid) {
-                    Ok(eval) => eval,
-                    Err(error) => {
-                        self.record_error(error.context(format!("evaluation after step {step}")));
-                        break;
-                    }
-                };
-                let val_loss = eval.step_loss.unwrap_or(f64::NAN);
-                self.to_sink(|sink| sink.log_eval(done, val_loss));
-                events.process_valid(LearnerEvent::ProcessedItem(item(
-                    eval,
-                    done,
-                    settings.max_steps,
-                    None,
-                )));
-            }
-            let periodic = settings.checkpoint_every > 0 && done % settings.checkpoint_every == 0;
-            if (periodic || last || stop)
-                && !self.log(self.checkpoint(&learner.model(), done, last || stop))
-            {
-                break;
-            }
-            if stop {
-                break;
             }
         }
         if let Some(error) = lock(&self.writer).wait_alone() {
@@ -400,11 +351,94 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
     }
 }
 
+impl<B: TrainBackend> StepLoop<B> {
+    /// Trains step `step` and logs it (metric files, burn-train's events); returns whether the
+    /// metric files took it.
+    fn train_and_log(
+        &self,
+        learner: &mut Learner<GptComponents<B>>,
+        batches: &mut dyn Iterator<Item = TokenBatch<B>>,
+        events: &mut SupervisedTrainingEventProcessor<GptComponents<B>>,
+        step: u64,
+    ) -> anyhow::Result<bool> {
+        let (output, pipeline) = (self.step(learner, batches, step))
+            .map_err(|error| error.context(format!("step {step}")))?;
+        let lr = learner.lr_current();
+        let record = StepRecord {
+            step,
+            loss: output.step_loss.unwrap_or(f64::NAN),
+            lr,
+            grad_norm: output.grad_norm.unwrap_or(f64::NAN),
+            tokens_per_sec: output.tokens_per_sec.unwrap_or(f64::NAN),
+            mfu: output.mfu,
+            step_time_ms: 1e3 * output.tokens as f64 / output.tokens_per_sec.unwrap_or(f64::NAN),
+            comm_ms: output.comm_ms.unwrap_or_default(),
+            loss_scale: output.loss_scale,
+            activation_peak_mib: output.activation_peak_mib,
+            pipeline,
+        };
+        lock(&self.losses).push(record.loss);
+        let logged = self.to_sink(|sink| sink.log_step(&record));
+        let max_steps = self.settings.max_steps;
+        let item = item(output, step, max_steps, Some(lr));
+        events.process_train(LearnerEvent::ProcessedItem(item));
+        Ok(logged)
+    }
+
+    /// Whether every rank stops now: a stop request or a failed metrics write on any rank stops
+    /// all of them (after the step's checkpoint).
+    fn stop_vote(&self, stop_here: bool) -> anyhow::Result<bool> {
+        let votes = self.rank.world.sum_value(f64::from(u8::from(stop_here)))?;
+        Ok(votes > 0.0)
+    }
+
+    /// After `done` steps: the validation loss every `eval_every` steps and at the end, and a
+    /// checkpoint every `checkpoint.every` steps, at the end, and when the run stops.
+    fn evaluate_and_checkpoint(
+        &self,
+        learner: &Learner<GptComponents<B>>,
+        valid: &ValidLoader<GptComponents<B>>,
+        events: &mut SupervisedTrainingEventProcessor<GptComponents<B>>,
+        done: u64,
+        stop: bool,
+    ) -> anyhow::Result<()> {
+        let settings = &self.settings;
+        let last = done == settings.max_steps;
+        if settings.eval_every > 0 && (done.is_multiple_of(settings.eval_every) || last) {
+            let eval = (self.evaluate(&learner.model(), valid))
+                .map_err(|error| error.context(format!("evaluation after step {}", done - 1)))?;
+            let val_loss = eval.step_loss.unwrap_or(f64::NAN);
+            self.to_sink(|sink| sink.log_eval(done, val_loss));
+            let item = item(eval, done, settings.max_steps, None);
+            events.process_valid(LearnerEvent::ProcessedItem(item));
+        }
+        let periodic =
+            settings.checkpoint_every > 0 && done.is_multiple_of(settings.checkpoint_every);
+        if periodic || last || stop {
+            self.checkpoint(&learner.model(), done, last || stop)?;
+        }
+        Ok(())
+    }
+}
+
 /// An evaluation batch (inner backend) on the autodiff backend, untracked.
 fn tracked<B: TrainBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
     TokenBatch {
         inputs: Tensor::from_inner(batch.inputs),
         targets: Tensor::from_inner(batch.targets),
         loss_scale: batch.loss_scale,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mfu;
+
+    /// Four ranks at one rank's throughput each: four times the job's tokens/s, the same MFU.
+    #[test]
+    fn mfu_does_not_grow_with_the_world() {
+        let one = mfu(6e8, 1e3, 1, 1e13);
+        assert_eq!(one, 0.06);
+        assert_eq!(mfu(6e8, 4e3, 4, 1e13), one);
     }
 }
