@@ -125,10 +125,10 @@ where
 
     fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
         let mut parts = grads.grads;
-        match (parts.pop(), parts.is_empty()) {
-            (Some((grads, _)), true) => self.step(lr, module, grads),
+        let devices = parts.len();
+        match (parts.pop(), devices) {
+            (Some((grads, _)), 1) => self.step(lr, module, grads),
             _ => {
-                let devices = parts.len() + 1;
                 *lock(&self.shared.outcome) = Some(Err(UpdateError::Devices(devices)));
                 module
             }

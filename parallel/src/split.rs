@@ -49,8 +49,10 @@ pub struct ModelSplit {
     /// The tensor-parallel group.
     pub tensor: ProcessGroup,
     /// The copies of a tied matrix (an embedding and the head that multiplies by it) this rank
-    /// holds, and the group of the two stages that hold them when those differ.
+    /// holds.
     pub tied: TiedCopies,
+    /// The group of the two stages that hold the tied copies, when those differ and this rank
+    /// is one of them.
     pub tie_group: Option<ProcessGroup>,
     /// Under sequence parallelism, the parameters whose gradients cover this rank's part of the
     /// sequence only; none otherwise.
@@ -139,14 +141,14 @@ impl ModelSplit {
 
     /// The summed loss of `batches` through the replica, forward only (evaluation), known on
     /// every rank of the pipeline: through the pipeline's stages, or under ZeRO 3 (`zero` of
-    /// stage 3) through the gathered units, whose forward takes the batches as `track` makes
-    /// them (on the autodiff backend, untracked).
+    /// stage 3) through the gathered units, whose forward takes the batches on the autodiff
+    /// backend, as `lift` makes them (no gradient is taken).
     pub fn forward_loss<A, C>(
         &self,
         chunks: &[C],
         batches: Vec<<C::InnerModule as PipelineChunk<A::InnerBackend>>::Batch>,
         zero: Option<&ZeroOptimizer<A::InnerBackend>>,
-        track: impl Fn(<C::InnerModule as PipelineChunk<A::InnerBackend>>::Batch) -> C::Batch,
+        lift: impl Fn(<C::InnerModule as PipelineChunk<A::InnerBackend>>::Batch) -> C::Batch,
     ) -> Result<f64, SplitError>
     where
         A: AutodiffBackend,
@@ -155,15 +157,14 @@ impl ModelSplit {
     {
         let loss = match zero.filter(|z| z.stage() == ZeroStage::ShardParameters) {
             Some(zero) => {
-                let batches: Vec<C::Batch> = batches.into_iter().map(track).collect();
+                let batches: Vec<C::Batch> = batches.into_iter().map(lift).collect();
                 run_sharded_forward(zero, chunks, &batches, self.tied.both())?
             }
             None => {
                 let chunks: Vec<C::InnerModule> = chunks.iter().map(|c| c.valid()).collect();
-                let Some(device) = chunks.first().and_then(|c| c.devices().into_iter().next())
-                else {
-                    return Ok(0.0);
-                };
+                let device = (chunks.first())
+                    .and_then(|c| c.devices().into_iter().next())
+                    .unwrap_or_default();
                 let stages = self.plan.schedule.stages;
                 let rank = self.pipe.rank();
                 run_forward(stages, rank, &self.pipe, &chunks, &batches, &device)?

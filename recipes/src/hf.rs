@@ -66,7 +66,7 @@ pub fn init_from<B: Backend>(model: Gpt<B>, source: &str) -> anyhow::Result<Gpt<
     import(model, Path::new(path))
 }
 
-/// Loads a GPT-2 `model.safetensors` into `model`, whose sizes must match the file's.
+/// Loads a GPT-2 `model.safetensors` into the whole `model`, whose sizes must match the file's.
 pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let file = SafeTensors::deserialize(&bytes)

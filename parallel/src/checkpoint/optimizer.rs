@@ -256,7 +256,7 @@ fn read_moments<B: AutodiffBackend, M: Module<B>, S: MomentSink<B>>(
             let device = param.lazy_device();
             let read =
                 local_momentum::<B::InnerBackend, D>(self.layout, self.tensors, path, &device);
-            let taken = match read {
+            let taken = match read.and_then(|read| fits(read, path, param)) {
                 Ok(Some(momentum)) => self.sink.take(path, param.id, momentum),
                 Ok(None) => Ok(()),
                 Err(error) => Err(error),
@@ -274,6 +274,28 @@ fn read_moments<B: AutodiffBackend, M: Module<B>, S: MomentSink<B>>(
     };
     for_each_param(module, layout.paths.clone(), &mut read);
     read.error.map_or(Ok(()), Err)
+}
+
+/// `momentum` when its moments have the shape of `param` (this rank's part of parameter
+/// `path`); refused naming the moment otherwise.
+fn fits<B: AutodiffBackend, const D: usize>(
+    momentum: Option<AdaptiveMomentumState<B::InnerBackend, D>>,
+    path: &str,
+    param: &Param<Tensor<B, D>>,
+) -> Result<Option<AdaptiveMomentumState<B::InnerBackend, D>>, CheckpointError> {
+    let Some(momentum) = momentum else {
+        return Ok(None);
+    };
+    let expected = param.lazy_shape().dims::<D>();
+    let part = momentum.moment_1.dims();
+    if part != expected {
+        let reason = format!(
+            "gives this rank a part of {part:?}, but the parameter is {expected:?} (is the \
+             layout's plan the one that split the module?)"
+        );
+        return Err(invalid_slice(&format!("{EXP_AVG}{path}"), reason));
+    }
+    Ok(Some(momentum))
 }
 
 /// This rank's part under `layout`'s plan of the moments of parameter `path` in `tensors`

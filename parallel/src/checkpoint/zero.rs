@@ -2,7 +2,8 @@
 //! flattened parameter's moments (and under stage 3 of the parameter): it stores that piece as
 //! a slice of the flattened tensor, global shape `[numel]` with its offset, under the names the
 //! other layouts use (`<path>`, `optim.exp_avg.<path>`, `optim.exp_avg_sq.<path>`). The
-//! flattened shapes and the step counts go into the manifest's state (every rank's, gathered).
+//! flattened shapes and the step counts are the caller's to keep beside the tensors (every
+//! rank's, gathered by [`gather_union`]), e.g. in the manifest's state.
 //!
 //! Under tensor parallelism the flattening of a rank's part is not a box of the whole tensor,
 //! so a split parameter's pieces are stored under the part's name, `<path>@tp{r}of{s}`, and
@@ -137,7 +138,8 @@ pub fn gather_union<T: Serialize + DeserializeOwned>(
     Ok(all)
 }
 
-/// The parameter path of a stored tensor: a moment's parameter, or the tensor itself.
+/// The parameter path of a stored tensor: a first or second moment's parameter (the names
+/// ZeRO's pieces use), or the tensor itself.
 pub fn param_of(stored: &str) -> &str {
     stored
         .strip_prefix(EXP_AVG)

@@ -70,7 +70,6 @@ pub struct LoopSettings {
     pub start_step: u64,
     pub max_steps: u64,
     pub grad_accum: usize,
-    pub grad_clip: f64,
     pub eval_every: u64,
     pub checkpoint_every: u64,
     pub keep_last: usize,
@@ -228,7 +227,7 @@ impl<B: TrainBackend> StepLoop<B> {
         let tokens: usize = batches.iter().map(TokenBatch::tokens).sum();
         let zero = self.optimizer.update().zero();
         let loss_sum =
-            (self.rank.split).forward_loss(&model.chunks, batches, zero.as_deref(), tracked)?;
+            (self.rank.split).forward_loss(&model.chunks, batches, zero.as_deref(), on_autodiff)?;
         Ok(StepOutput {
             loss_sum,
             tokens,
@@ -422,7 +421,7 @@ impl<B: TrainBackend> StepLoop<B> {
 }
 
 /// An evaluation batch (inner backend) on the autodiff backend, untracked.
-fn tracked<B: TrainBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
+fn on_autodiff<B: TrainBackend>(batch: TokenBatch<B::InnerBackend>) -> TokenBatch<B> {
     TokenBatch {
         inputs: Tensor::from_inner(batch.inputs),
         targets: Tensor::from_inner(batch.targets),

@@ -708,7 +708,6 @@ fn loop_settings(
         start_step,
         max_steps: config.train.max_steps,
         grad_accum: config.train.grad_accum,
-        grad_clip: config.train.grad_clip,
         eval_every: config.train.eval_every,
         checkpoint_every: config.checkpoint.every,
         keep_last: config.checkpoint.keep_last,
