@@ -15,7 +15,9 @@ use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::ProcessGroup;
 
-use crate::update::{StepOptions, Update, UpdateError, UpdateGroups, UpdateStats, lock};
+use crate::update::{
+    StepOptions, Update, UpdateError, UpdateGroups, UpdateStats, lock, one_device_grads,
+};
 
 /// A Burn optimizer over a shared [`Update`] (see the module doc).
 pub struct LearnerUpdate<A: AutodiffBackend, O> {
@@ -124,12 +126,10 @@ where
     }
 
     fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
-        let mut parts = grads.grads;
-        let devices = parts.len();
-        match (parts.pop(), devices) {
-            (Some((grads, _)), 1) => self.step(lr, module, grads),
-            _ => {
-                *lock(&self.shared.outcome) = Some(Err(UpdateError::Devices(devices)));
+        match one_device_grads(grads) {
+            Ok(grads) => self.step(lr, module, grads),
+            Err(error) => {
+                *lock(&self.shared.outcome) = Some(Err(error));
                 module
             }
         }

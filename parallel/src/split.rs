@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 
 use crate::fsdp::{ZeroError, ZeroOptimizer, ZeroStage, run_sharded_forward, run_sharded_step};
@@ -106,7 +106,7 @@ impl ModelSplit {
         A: AutodiffBackend,
         C: PipelineChunk<A> + AutodiffModule<A>,
     {
-        if let Some(zero) = zero.filter(|z| z.stage() == ZeroStage::ShardParameters) {
+        if let Some(zero) = sharded_units(zero) {
             let started = Instant::now();
             let step = run_sharded_step(zero, chunks, micro, self.tied.both())?;
             let stats = StepStats {
@@ -155,7 +155,7 @@ impl ModelSplit {
         C: PipelineChunk<A> + AutodiffModule<A>,
         C::InnerModule: PipelineChunk<A::InnerBackend>,
     {
-        let loss = match zero.filter(|z| z.stage() == ZeroStage::ShardParameters) {
+        let loss = match sharded_units(zero) {
             Some(zero) => {
                 let batches: Vec<C::Batch> = batches.into_iter().map(lift).collect();
                 run_sharded_forward(zero, chunks, &batches, self.tied.both())?
@@ -182,4 +182,9 @@ impl ModelSplit {
         };
         world.sum_value(counted)
     }
+}
+
+/// `zero` when it runs ZeRO 3, whose units the passes gather.
+fn sharded_units<B: Backend>(zero: Option<&ZeroOptimizer<B>>) -> Option<&ZeroOptimizer<B>> {
+    zero.filter(|z| z.stage() == ZeroStage::ShardParameters)
 }

@@ -82,7 +82,9 @@ use crate::moments::{
 use crate::offload::PlacedAdamW;
 use crate::pp::graphs_lock;
 use crate::replicas::{broadcast_parameters, verify_replicas};
-use crate::update::{StepOptions, Update, UpdateGroups, lock, module_inner_device, zero_optimizer};
+use crate::update::{
+    StepOptions, Update, UpdateGroups, lock, module_inner_device, one_device_grads, zero_optimizer,
+};
 
 /// Why [`DataParallel`] cannot build an optimizer for a model.
 #[derive(Debug, thiserror::Error)]
@@ -559,13 +561,9 @@ where
     }
 
     fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
-        let mut parts = grads.grads;
-        match (parts.pop(), parts.is_empty()) {
-            (Some((grads, _)), true) => self.step(lr, module, grads),
-            _ => panic!(
-                "data parallelism takes one device's gradients per rank, not {}",
-                parts.len() + 1
-            ),
+        match one_device_grads(grads) {
+            Ok(grads) => self.step(lr, module, grads),
+            Err(error) => panic!("{error}"),
         }
     }
 }

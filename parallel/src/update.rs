@@ -22,7 +22,7 @@ use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
 
 use burn::module::{AutodiffModule, ParamId};
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::comm::{CommError, ProcessGroup};
 use wildfire_backend::kernels::adamw::FusedAdamW;
@@ -145,6 +145,17 @@ impl<A: AutodiffBackend, O> std::fmt::Debug for Update<A, O> {
                 .finish(),
             Self::Sharded(zero) => f.debug_tuple("Sharded").field(&*lock(zero)).finish(),
         }
+    }
+}
+
+/// The one device's gradients of this rank out of Burn's per-device gradients (data
+/// parallelism runs one device per rank).
+pub fn one_device_grads(grads: MultiGradientsParams) -> Result<GradientsParams, UpdateError> {
+    let mut parts = grads.grads;
+    let devices = parts.len();
+    match (parts.pop(), devices) {
+        (Some((grads, _)), 1) => Ok(grads),
+        _ => Err(UpdateError::Devices(devices)),
     }
 }
 

@@ -36,8 +36,6 @@ pub enum ZeroCheckpointError {
     Zero(#[from] ZeroError),
     #[error(transparent)]
     Comm(#[from] CommError),
-    #[error("the ZeRO optimizer holds parameter {0}, which the module does not name")]
-    Unnamed(ParamId),
 }
 
 /// This rank's part of ZeRO's state: slices to store, and the manifest's entries (every
