@@ -6,6 +6,7 @@ pub mod alloc;
 pub mod collective;
 pub mod comm;
 mod decorator;
+pub mod device;
 pub mod kernels;
 pub mod launch;
 mod typecast;

@@ -1,8 +1,12 @@
-"""PyTorch eager reference for `wildfire-benches train`: the same tiny GPT-2 (4 layers, 4 heads,
-d_model 128, context 128, vocab 65, tied head, GELU-tanh, no dropout), AdamW with decay on
-matrices, global-norm clipping at 1.0, batch 16. Prints one JSON line per measurement.
+"""PyTorch reference for `wildfire-benches train` and `scripts/gpu-check.sh`: the recipe's GPT-2
+(tied head, GELU-tanh, no dropout, decomposed attention as the recipe's reference path), AdamW
+with decay on matrices, global-norm clipping at 1.0. `--model tiny` (the default): 4 layers, 4
+heads, d_model 128, context 128, vocab 65, batch 16, on CPU. `--model gpt2`: GPT-2 124M (12
+layers, 12 heads, 768 wide, context 1024, vocab 50304), batch `--batch`, usually with
+`--device cuda --bf16` (autocast) and `--compile` (torch.compile). Prints one JSON line.
 
-Usage: python3 train_tiny.py --threads N --warmup W --steps S
+Usage: python3 train_tiny.py --threads N [--warmup W --steps S --model M --device D --batch B
+                             --bf16 --compile]
 """
 
 import argparse
@@ -32,7 +36,7 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         # Decomposed attention, as the Rust recipe computes it (no fused kernel on either side).
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         y = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
         x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
@@ -47,7 +51,7 @@ class Gpt(nn.Module):
         self.ln_f = nn.LayerNorm(d)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x) @ self.wte.weight.T
@@ -58,34 +62,50 @@ def main():
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--bf16", action="store_true", help="autocast the forward to bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    vocab, context, batch = 65, 128, 16
-    model = Gpt(vocab, context, 128, 4, 4)
+    device = torch.device(args.device)
+    vocab, context, d, layers, heads = {
+        "tiny": (65, 128, 128, 4, 4),
+        "gpt2": (50304, 1024, 768, 12, 12),
+    }[args.model]
+    batch = args.batch
+    model = Gpt(vocab, context, d, layers, heads).to(device)
+    step_model = torch.compile(model) if args.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
         lr=1e-3, betas=(0.9, 0.99), eps=1e-8, foreach=True,
     )
-    data = torch.randint(0, vocab, (batch, context + 1))
+    data = torch.randint(0, vocab, (batch, context + 1), device=device)
     inputs, targets = data[:, :-1], data[:, 1:]
     times = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            logits = step_model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     times.sort()
     median = times[len(times) // 2]
     print(json.dumps({
         "system": "pytorch", "version": torch.__version__, "threads": args.threads,
+        "model": args.model, "device": args.device, "batch": batch, "bf16": args.bf16,
+        "compile": args.compile,
         "step_ms": 1e3 * median, "tokens_per_sec": batch * context / median,
     }))
 

@@ -132,7 +132,7 @@ fn measure(
     let config = RunConfig::load(None, &overrides)?;
     let before = HEAP.current();
     HEAP.reset_peak();
-    wildfire_recipes::train::run_on_cpu(config, wildfire_recipes::train::Start::Fresh)?;
+    wildfire_recipes::train::run_on_device(config, wildfire_recipes::train::Start::Fresh)?;
     let run_peak_mib = mib(HEAP.peak().saturating_sub(before));
     // Step 0 also allocates AdamW's moments.
     let records = train_records(&dir, 1)?;

@@ -4,20 +4,24 @@
 //! thread pool is sized once per process); with `--pytorch`, the PyTorch eager reference
 //! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side;
 //! with `--reference-ops`, so does wildfire with the fused ops' reference in Burn ops in place
-//! of their native loops on Flex.
+//! of their native loops on Flex; with `--wgpu`, so does wildfire on `Parallel<Wgpu>` (Mesa's
+//! lavapipe on a machine without a GPU, its threads set by `LP_NUM_THREADS`).
 
 use crate::median;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
+use wildfire_backend::kernels::probe;
+use wildfire_backend::{DecoratedBackend, Parallel};
 use wildfire_recipes::CpuBackend;
 
 use anyhow::{Context, bail};
 use burn::backend::Autodiff;
+use burn::backend::Wgpu;
 use burn::optim::GradientsParams;
 use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -26,8 +30,6 @@ use wildfire_recipes::config::TrainSection;
 use wildfire_recipes::data::SplitMix64;
 use wildfire_recipes::model::{Gpt, Preset, StageSpec, cross_entropy_sum};
 use wildfire_recipes::optim::MatrixDecayAdamW;
-
-type B = Autodiff<CpuBackend>;
 
 const VOCAB: usize = 65;
 const BATCH: usize = 16;
@@ -50,6 +52,9 @@ pub struct TrainArgs {
     /// in place of their native loops on Flex (the ops' `flex` modules in `kernels`).
     #[arg(long)]
     reference_ops: bool,
+    /// Also run wildfire on wgpu (`Parallel<Wgpu>`; lavapipe where there is no GPU).
+    #[arg(long)]
+    wgpu: bool,
 }
 
 #[derive(Debug, Args)]
@@ -58,6 +63,9 @@ pub struct WorkerArgs {
     threads: u16,
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     steps: u16,
+    /// `cpu` (`Parallel<Flex>`) or `wgpu` (`Parallel<Wgpu>`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "wgpu"])]
+    device: String,
 }
 
 /// Median per-step times of one process, in milliseconds.
@@ -94,13 +102,27 @@ fn train_config() -> TrainSection {
     }
 }
 
-/// Runs `steps` timed steps (after 3 warm-up steps) in this process and prints a [`Sample`].
+/// Runs `steps` timed steps (after 3 warm-up steps) in this process, on the worker's device,
+/// and prints a [`Sample`].
 pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     wildfire_recipes::alloc::keep_freed_memory();
     rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads.into())
         .build_global()?;
-    let device = Default::default();
+    match args.device.as_str() {
+        "wgpu" => {
+            let device = probe::wgpu().map_err(anyhow::Error::msg)?;
+            worker_on::<Autodiff<Parallel<Wgpu>>>(args, device, "wildfire-wgpu")
+        }
+        _ => worker_on::<Autodiff<CpuBackend>>(args, Default::default(), "wildfire"),
+    }
+}
+
+fn worker_on<B: AutodiffBackend + DecoratedBackend>(
+    args: WorkerArgs,
+    device: B::Device,
+    system: &str,
+) -> anyhow::Result<()> {
     B::seed(&device, 0);
     let config = Preset::Tiny.config(VOCAB);
     let mut model = Gpt::<B>::new(&config, StageSpec::whole(&config), &device);
@@ -137,7 +159,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     }
     let step_ms = median(&mut total);
     let sample = Sample {
-        system: "wildfire".into(),
+        system: system.into(),
         threads: args.threads.into(),
         step_ms,
         forward_ms: Some(median(&mut forward)),
@@ -172,13 +194,29 @@ fn last_json_line(output: std::process::Output, what: &str) -> anyhow::Result<Sa
 /// The name of wildfire's runs with the fused ops' reference.
 const WILDFIRE_REFERENCE_OPS: &str = "wildfire-reference-ops";
 
-/// A worker process's sample; with `reference_ops`, the fused ops run their reference in Burn ops.
-fn run_wildfire(threads: usize, steps: usize, reference_ops: bool) -> anyhow::Result<Sample> {
+/// What a worker process runs: wildfire on the CPU, with the fused ops' reference in Burn ops
+/// in place of their native loops, or on wgpu.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Cpu,
+    CpuReferenceOps,
+    Wgpu,
+}
+
+/// A worker process's sample of `variant`.
+fn run_wildfire(threads: usize, steps: usize, variant: Variant) -> anyhow::Result<Sample> {
     let exe = std::env::current_exe()?;
     let mut command = Command::new(exe);
+    let reference_ops = variant == Variant::CpuReferenceOps;
     if reference_ops {
         command.env("WILDFIRE_KERNELS", "reference");
     }
+    let device = if variant == Variant::Wgpu {
+        command.env("LP_NUM_THREADS", threads.to_string());
+        "wgpu"
+    } else {
+        "cpu"
+    };
     let output = command
         .args([
             "train-worker",
@@ -186,6 +224,8 @@ fn run_wildfire(threads: usize, steps: usize, reference_ops: bool) -> anyhow::Re
             &threads.to_string(),
             "--steps",
             &steps.to_string(),
+            "--device",
+            device,
         ])
         .output()?;
     let mut sample = last_json_line(output, "wildfire train worker")?;
@@ -218,11 +258,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut samples: Vec<Sample> = Vec::new();
     for round in 0..args.rounds {
         for threads in [1, 2] {
-            let sample = run_wildfire(threads, args.steps.into(), false)?;
-            emit(&sample, round, args.json)?;
-            samples.push(sample);
-            if args.reference_ops {
-                let sample = run_wildfire(threads, args.steps.into(), true)?;
+            let variants = [
+                Some(Variant::Cpu),
+                args.reference_ops.then_some(Variant::CpuReferenceOps),
+                args.wgpu.then_some(Variant::Wgpu),
+            ];
+            for variant in variants.into_iter().flatten() {
+                let sample = run_wildfire(threads, args.steps.into(), variant)?;
                 emit(&sample, round, args.json)?;
                 samples.push(sample);
             }
@@ -234,7 +276,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     }
     if !args.json {
-        summarise(&samples, args.pytorch, args.reference_ops);
+        summarise(&samples, &args);
     }
     Ok(())
 }
@@ -268,10 +310,18 @@ fn median_tokens_per_sec(samples: &[Sample], system: &str, threads: usize) -> f6
     median(&mut values)
 }
 
-fn summarise(samples: &[Sample], pytorch: bool, reference_ops: bool) {
+fn summarise(samples: &[Sample], args: &TrainArgs) {
     for threads in [1, 2] {
         let ours = median_tokens_per_sec(samples, "wildfire", threads);
-        if reference_ops {
+        if args.wgpu {
+            let wgpu = median_tokens_per_sec(samples, "wildfire-wgpu", threads);
+            println!(
+                "threads {threads}: wildfire on wgpu {wgpu:.0} tok/s, on cpu {ours:.0} tok/s, \
+                 ratio {:.3}",
+                wgpu / ours
+            );
+        }
+        if args.reference_ops {
             let reference = median_tokens_per_sec(samples, WILDFIRE_REFERENCE_OPS, threads);
             println!(
                 "threads {threads}: fused ops' native loops {ours:.0} tok/s, their reference in \
@@ -279,7 +329,7 @@ fn summarise(samples: &[Sample], pytorch: bool, reference_ops: bool) {
                 ours / reference
             );
         }
-        if pytorch {
+        if args.pytorch {
             let theirs = median_tokens_per_sec(samples, "pytorch", threads);
             println!(
                 "threads {threads}: wildfire {ours:.0} tok/s, PyTorch {theirs:.0} tok/s, ratio {:.2}",

@@ -3,9 +3,11 @@
 //! visitor or mapper. A parameter's path is the field that holds it, so the current path when
 //! a visitor meets it is its name.
 
+use std::collections::BTreeMap;
+
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 
 /// The path of the module or parameter a visitor or mapper is at.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -118,6 +120,20 @@ pub fn param_shapes_at<B: Backend, M: Module<B>>(
     let mut shapes = Shapes(Vec::new());
     for_each_param(module, path, &mut shapes);
     shapes.0
+}
+
+/// Every float parameter's value by path: a module's whole state, to load into the same module
+/// on another backend or device ([`crate::checkpoint::ModuleLayout::load`]).
+pub fn param_values<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, TensorData> {
+    struct Values(BTreeMap<String, TensorData>);
+    impl<B: Backend> ParamFn<B> for Values {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            self.0.insert(path.to_string(), param.val().into_data());
+        }
+    }
+    let mut values = Values(BTreeMap::new());
+    for_each_param(module, PathStack::default(), &mut values);
+    values.0
 }
 
 #[cfg(test)]

@@ -12,11 +12,12 @@ use wildfire_backend::launch::{self, LaunchConfig};
 use wildfire_backend::kernels::matmul::MatmulPrecision;
 use wildfire_parallel::precision::Precision;
 
-use crate::CpuBackend;
+use wildfire_backend::device::DeviceSpec;
+
 use crate::config::RunConfig;
 use crate::config::{ActivationCheckpointing, Transport};
-use crate::model::{Gpt, StageSpec};
-use crate::{checkpoint, data, generate, hf, train};
+use crate::device::{DeviceBackend, DeviceJob, on_device, process_device};
+use crate::{data, generate, hf, train};
 
 #[derive(Debug, Parser)]
 #[command(name = "wildfire", version, about = "Distributed LLM training on Burn")]
@@ -139,13 +140,17 @@ pub struct TrainArgs {
     #[arg(long, value_name = "fp32|bf16|fp16")]
     pub precision: Option<Precision>,
     /// Matmul precision of an fp32 run: off, bf16 or f16 (inputs rounded to that type, products
-    /// accumulated in f32) (sets precision.matmul).
-    #[arg(long, value_name = "off|bf16|f16")]
+    /// accumulated in f32), or tf32 (TF32 tensor cores; cuda only) (sets precision.matmul).
+    #[arg(long, value_name = "off|bf16|f16|tf32")]
     pub matmul_precision: Option<MatmulPrecision>,
     /// Activation checkpointing: none, full (recompute each block) or selective (recompute the
     /// memory-bound operations) (sets train.activation_checkpointing).
     #[arg(long, value_enum)]
     pub activation_checkpointing: Option<ActivationCheckpointing>,
+    /// The device: cpu, wgpu or cuda (each rank of a launched job on local device LOCAL_RANK),
+    /// or cuda:N / wgpu:N for a single process (sets run.device).
+    #[arg(long, value_name = "cpu|wgpu|cuda[:N]")]
+    pub device: Option<DeviceSpec>,
     /// Where the ranks run: `launch` (one process each, as `wildfire launch` starts them) or
     /// `local` (threads of this process) (sets parallel.transport).
     #[arg(long, value_enum)]
@@ -207,6 +212,7 @@ impl TrainArgs {
             "precision.matmul",
             self.matmul_precision.map(|p| quoted(&p.to_string())),
         );
+        set("run.device", self.device.map(|d| quoted(&d.to_string())));
         set(
             "parallel.transport",
             self.transport
@@ -233,6 +239,9 @@ pub struct GenerateArgs {
     pub top_k: Option<usize>,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    /// The device: cpu, wgpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_name = "cpu|wgpu|cuda[:N]")]
+    pub device: DeviceSpec,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -251,6 +260,9 @@ pub struct ExportArgs {
     /// Output: a directory, or a path ending in .safetensors (config.json goes beside it).
     #[arg(long)]
     pub out: PathBuf,
+    /// The device: cpu, wgpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_name = "cpu|wgpu|cuda[:N]")]
+    pub device: DeviceSpec,
 }
 
 #[derive(Debug, Args)]
@@ -412,7 +424,7 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
     let resume = args.resume.as_ref().map(Option::as_deref);
     let (config, start) = train::start(given, &overrides, resume)?;
     set_threads(config.run.threads)?;
-    let outcome = train::run_on_cpu(config, start)?;
+    let outcome = train::run_on_device(config, start)?;
     match outcome.losses.last() {
         Some(loss) => println!(
             "trained to step {} in {}; last loss {loss:.4}",
@@ -430,33 +442,42 @@ fn run_train(args: TrainArgs) -> anyhow::Result<i32> {
 }
 
 fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
-    let (model, tokenizer, config) =
-        generate::load_model::<CpuBackend>(&args.checkpoint, &Default::default())?;
-    let sampling = generate::Sampling {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        seed: args.seed,
-    };
-    let prompt = args.prompt.replace("\\n", "\n");
-    println!(
-        "{}",
-        generate::generate(&model, &tokenizer, &prompt, &sampling, config.context)?
-    );
+    struct Generate(GenerateArgs);
+    impl DeviceJob for Generate {
+        type Output = String;
+        fn run<B: DeviceBackend>(self) -> anyhow::Result<String> {
+            let args = self.0;
+            let device = process_device::<B>(args.device)?;
+            let (model, tokenizer, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
+            let sampling = generate::Sampling {
+                max_new_tokens: args.max_new_tokens,
+                temperature: args.temperature,
+                top_k: args.top_k,
+                seed: args.seed,
+            };
+            let prompt = args.prompt.replace("\\n", "\n");
+            generate::generate(&model, &tokenizer, &prompt, &sampling, config.context)
+        }
+    }
+    println!("{}", on_device(args.device.kind, Generate(args))?);
     Ok(0)
 }
 
 fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
-    let loaded = checkpoint::load(&checkpoint::resolve(&args.checkpoint)?)?;
-    let config = loaded.state.model.clone();
-    let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &Default::default());
-    let model = loaded.apply_params(model)?;
-    match args.format {
-        ExportFormat::HfSafetensors => {
-            let path = hf::export(&model, &config, &args.out)?;
-            println!("wrote {} (and config.json beside it)", path.display());
+    struct Export(ExportArgs);
+    impl DeviceJob for Export {
+        type Output = PathBuf;
+        fn run<B: DeviceBackend>(self) -> anyhow::Result<PathBuf> {
+            let args = self.0;
+            let device = process_device::<B>(args.device)?;
+            let (model, _, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
+            match args.format {
+                ExportFormat::HfSafetensors => hf::export(&model, &config, &args.out),
+            }
         }
     }
+    let path = on_device(args.device.kind, Export(args))?;
+    println!("wrote {} (and config.json beside it)", path.display());
     Ok(0)
 }
 

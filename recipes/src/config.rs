@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use wildfire_backend::device::DeviceSpec;
 use wildfire_backend::kernels::matmul::MatmulPrecision;
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
@@ -207,9 +208,15 @@ pub struct CheckpointSection {
 pub struct RunSection {
     /// Run directory: config.json, metrics.jsonl, the event file, checkpoints/.
     pub dir: PathBuf,
+    /// Where the ranks compute: `cpu`, `wgpu` or `cuda` (each rank of a launched job on local
+    /// device `LOCAL_RANK`), or one device for a single process (`cuda:1`). A resumed run may
+    /// continue on another device.
+    #[serde(default)]
+    pub device: DeviceSpec,
     /// Print a progress line every this many steps (metrics files get every step).
     pub log_every: u64,
-    /// Peak FLOP/s of the device, for MFU; absent means MFU is reported as "n/a".
+    /// Peak FLOP/s of one rank's device, for MFU. Absent: a known GPU's dense bf16 peak, or on
+    /// cpu and wgpu the f32 matmul rate measured at start (shared by the ranks of one host).
     pub peak_flops: Option<f64>,
     /// Worker threads of the CPU backend; absent uses every core.
     pub threads: Option<usize>,

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod generate;
 pub mod hf;
 pub mod logging;
@@ -19,6 +20,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
 };
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_backend::DecoratedBackend;
+use wildfire_backend::device::RankDevice;
 
 /// The recipe's CPU backend: Burn's `Flex` under the `Parallel` decorator, whose collectives
 /// carry tensor parallelism (with one rank they are never called).
@@ -26,7 +28,9 @@ pub type CpuBackend = wildfire_backend::Parallel<burn::backend::Flex>;
 
 /// A backend the recipe trains on: autodiff over a backend with collectives, e.g.
 /// `Autodiff<Parallel<Flex>>` (evaluation runs on the inner backend, so it has them too).
-pub trait TrainBackend: AutodiffBackend<InnerBackend: DecoratedBackend> + DecoratedBackend {
+pub trait TrainBackend:
+    AutodiffBackend<InnerBackend: DecoratedBackend> + DecoratedBackend + RankDevice
+{
     /// Whether its autodiff recomputes memory-bound operations in the backward (Burn's
     /// `BalancedCheckpointing`): selective activation checkpointing.
     const RECOMPUTES_MEMORY_BOUND_OPS: bool;
@@ -45,7 +49,7 @@ impl StrategyKind for BalancedCheckpointing {
     const RECOMPUTES_MEMORY_BOUND_OPS: bool = true;
 }
 
-impl<B: DecoratedBackend, C: StrategyKind> TrainBackend for Autodiff<B, C>
+impl<B: DecoratedBackend + RankDevice, C: StrategyKind> TrainBackend for Autodiff<B, C>
 where
     Autodiff<B, C>: DecoratedBackend,
 {

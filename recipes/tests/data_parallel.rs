@@ -387,20 +387,6 @@ fn background_checkpoints_equal_synchronous_ones() {
     assert_eq!(kept, [9, 10]);
 }
 
-/// Copies directory `from` (files and subdirectories) to `to`.
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("create the copy");
-    for entry in std::fs::read_dir(from).expect("read the directory") {
-        let entry = entry.expect("an entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("its type").is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("copy a file");
-        }
-    }
-}
-
 /// Bad data-parallel settings are refused before training, naming every number.
 #[test]
 fn bad_data_parallel_settings_are_named() {

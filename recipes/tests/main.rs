@@ -9,6 +9,7 @@ mod activation_checkpointing;
 mod activation_memory;
 mod cli;
 mod data_parallel;
+mod devices;
 mod fused_ops;
 mod pipeline;
 mod precision;

@@ -94,48 +94,6 @@ fn launched(name: &str, ranks: usize, port: u16, extra: &[&str]) -> RunDir {
     dir
 }
 
-/// Losses at every step within 1e-5 relative, the first step's gradient norm (before the
-/// parameters can differ) within 1e-6 relative, and every checkpoint's (gathered) parameters
-/// within the bounds of the module doc, of `reference`.
-fn assert_trains_like(reference: &Path, run: &Path, what: &str) {
-    assert_close_losses(
-        &series(reference, "train", "loss"),
-        &series(run, "train", "loss"),
-        1e-5,
-        what,
-    );
-    let norms = [reference, run].map(|dir| series(dir, "train", "grad_norm")[0]);
-    assert!(
-        (norms[0] - norms[1]).abs() <= 1e-6 * norms[0],
-        "{what}: first gradient norm {} serially, {} here",
-        norms[0],
-        norms[1]
-    );
-    let mut over = (0, 0);
-    let worst = worst_over_checkpoints(reference, run, what, |expected, got| {
-        let (count, total) = count_differences_over(expected, got, 1e-5);
-        over = (over.0 + count, over.1 + total);
-        max_param_difference(expected, got)
-    });
-    let losses = series(reference, "train", "loss")
-        .iter()
-        .zip(series(run, "train", "loss"))
-        .map(|(a, b)| (a - b).abs() / a)
-        .fold(0.0, f64::max);
-    println!(
-        "{what}: worst loss difference {losses:e} (relative), worst parameter difference {:e} \
-         at {}, {} of {} checkpointed elements more than 1e-5 apart",
-        worst.0, worst.1, over.0, over.1
-    );
-    assert!(worst.0 <= 2e-4, "{what}: {:e} at {}", worst.0, worst.1);
-    assert!(
-        over.0 * 1_000 <= over.1,
-        "{what}: {} of {} elements more than 1e-5 apart",
-        over.0,
-        over.1
-    );
-}
-
 /// The GPT at tp = 2 and tp = 4, with and without sequence parallelism, trains like the serial
 /// model for 10 steps: losses, and the parameters gathered from every step's checkpoint.
 #[test]

@@ -28,7 +28,7 @@ mod update;
 
 pub use crate::optim::{LearnerOptimizer, Optimizers};
 pub use batch::{EvalLoader, TokenBatch, TrainLoader};
-pub use setup::{Start, TrainOutcome, resume_config, run, run_on_cpu, start};
+pub use setup::{Start, TrainOutcome, resume_config, run, run_on_device, start};
 pub use update::{counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;

@@ -11,31 +11,38 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::train::metric::LearningRateMetric;
 use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
 
+use burn::backend::Flex;
 use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType};
+use serde::{Deserialize, Serialize};
+use wildfire_backend::comm::LaunchSource;
 use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges};
-use wildfire_backend::kernels::matmul::set_matmul_precision;
+use wildfire_backend::device::{DeviceKind, measure_matmul_flops};
+use wildfire_backend::kernels::matmul::{MatmulPrecision, set_matmul_precision};
 use wildfire_parallel::dp::FlatLayout;
 use wildfire_parallel::fsdp::{Placeholders, ZeroStage};
 use wildfire_parallel::mesh::{Mesh, ParallelDims, PipelinePlan};
+use wildfire_parallel::paths::param_values;
 use wildfire_parallel::pp::graphs_lock;
 
 use super::{
     EvalLoader, GptComponents, LoopSettings, Optimizers, RankContext, StepLoop, TrainLoader,
     counted_elsewhere, zero_layout,
 };
-use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use wildfire_parallel::learner_update::LearnerUpdate;
 use wildfire_parallel::precision::DynamicLossScaler;
 use wildfire_parallel::replicas::verify_replicas;
 use wildfire_parallel::split::ModelSplit;
 use wildfire_parallel::update::{Update, UpdateGroups, inner_device_of, lock, zero_optimizer};
 
+use crate::TrainBackend;
 use crate::checkpoint::ModuleLayout;
 use crate::checkpoint::{self, Loaded, TrainState};
 use crate::config::ActivationCheckpointing;
 use crate::config::{RunConfig, Transport, check_same_model};
 use crate::data::{self, Sampler, Splits, Tokenizer, TokenizerKind, Tokens, load_text};
+use crate::device::{DeviceBackend, DeviceJob, on_device};
 use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
@@ -44,7 +51,6 @@ use crate::model::{
     whole_model_rules,
 };
 use crate::optim::{MatrixDecayAdamW, WarmupCosine};
-use crate::{CpuBackend, TrainBackend};
 use wildfire_parallel::tp::{SequencePartial, TpPlan, apply_plan};
 
 /// What a finished (or stopped) run reports to its caller.
@@ -302,18 +308,24 @@ fn write_run_config(run_dir: &Path, resolved: &ResolvedConfig) -> anyhow::Result
     Ok(toml::to_string_pretty(resolved)?)
 }
 
-/// [`run`] on the recipe's CPU backend, with Burn's checkpointing strategy when the config asks
-/// for selective activation checkpointing.
-pub fn run_on_cpu(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
-    match config.train.activation_checkpointing {
-        ActivationCheckpointing::Selective => {
-            run::<Autodiff<CpuBackend, BalancedCheckpointing>>(config, start)
+/// [`run`] on the backend of `run.device`, with Burn's checkpointing strategy when the config
+/// asks for selective activation checkpointing.
+pub fn run_on_device(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
+    struct Train(RunConfig, Start);
+    impl DeviceJob for Train {
+        type Output = TrainOutcome;
+        fn run<P: DeviceBackend>(self) -> anyhow::Result<TrainOutcome> {
+            let Train(config, start) = self;
+            match config.train.activation_checkpointing {
+                ActivationCheckpointing::Selective => run::<P::TrainSelective>(config, start),
+                _ => run::<P::Train>(config, start),
+            }
         }
-        _ => run::<Autodiff<CpuBackend>>(config, start),
     }
+    on_device(config.run.device.kind, Train(config, start))
 }
 
-/// Trains as `config` says, on backend `B`'s default device: on one rank, or on every rank of
+/// Trains as `config` says, on backend `B`'s devices (see [`HostPlace`]): on one rank, or on every rank of
 /// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
 /// process). [`Start::Resume`] continues from the newest complete checkpoint of `config.run.dir`
 /// (see [`resume_config`] for its config). Returns rank 0's outcome. `B`'s autodiff must use
@@ -322,8 +334,15 @@ pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<T
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
         Transport::Launch => {
-            let world = ProcessGroup::init(&LaunchEnv::detect(&LaunchFlags::default())?, options)?;
-            run_rank::<B>(config, start, world)
+            let launched = LaunchEnv::detect(&LaunchFlags::default())?;
+            let place = HostPlace {
+                local_rank: (launched.source != LaunchSource::Single)
+                    .then_some(launched.local_rank),
+                thread_rank: 0,
+                ranks_on_host: launched.local_world_size,
+            };
+            let world = ProcessGroup::init(&launched, options)?;
+            run_rank::<B>(config, start, world, place)
         }
         Transport::Local => {
             let launched = LaunchEnv::detect(&LaunchFlags::default())?;
@@ -351,14 +370,30 @@ pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<T
                 .into_iter()
                 .map(|world| {
                     let config = config.clone();
+                    let place = HostPlace {
+                        local_rank: None,
+                        thread_rank: world.rank(),
+                        ranks_on_host: ranks,
+                    };
                     std::thread::Builder::new()
                         .name(format!("rank-{}", world.rank()))
-                        .spawn(move || run_rank::<B>(config, start, world))
+                        .spawn(move || run_rank::<B>(config, start, world, place))
                 })
                 .collect::<std::io::Result<Vec<_>>>()?;
             first_outcome(ranks.into_iter().map(|rank| rank.join()))
         }
     }
+}
+
+/// Where a rank sits on its host: what picks its device (see `DeviceSpec::ordinal`) and how
+/// many ranks share the host (and so a CPU's cores, for MFU).
+#[derive(Debug, Clone, Copy)]
+struct HostPlace {
+    /// The launcher's `LOCAL_RANK`, for a launched process.
+    local_rank: Option<usize>,
+    /// The rank's index among the threads of this process.
+    thread_rank: usize,
+    ranks_on_host: usize,
 }
 
 /// Rank 0's outcome when every rank succeeded; otherwise every failure, by rank.
@@ -389,7 +424,10 @@ fn run_rank<B: TrainBackend>(
     config: RunConfig,
     start: Start,
     world: ProcessGroup,
+    place: HostPlace,
 ) -> anyhow::Result<TrainOutcome> {
+    let device = rank_device::<B>(&config, place)?;
+    check_precision::<B>(&config, &device)?;
     let dims = parallel_dims(&config)?;
     let train = &config.train;
     let global_batch =
@@ -411,7 +449,7 @@ fn run_rank<B: TrainBackend>(
     mesh.world().barrier()?;
     // Process-wide: ranks that are threads of this process set the same value.
     set_matmul_precision(config.precision.matmul);
-    let device = B::Device::default();
+    let peak = device_peak::<B>(&config, &device, place, mesh.world())?;
     let (layout, model) = build_model::<B>(
         &config,
         &data.model,
@@ -443,7 +481,13 @@ fn run_rank<B: TrainBackend>(
         counted_elsewhere(&model, &rank.layout),
     );
     let strategy = Arc::new(StepLoop {
-        settings: loop_settings(&config, &data.model, dims, progress.start_step),
+        settings: loop_settings(
+            &config,
+            &data.model,
+            dims,
+            progress.start_step,
+            peak.as_ref(),
+        ),
         optimizer: optimizer.clone(),
         sampler: progress.sampler.clone(),
         scaler: loss_scaler(&config, resumed.as_ref())?.map(Mutex::new),
@@ -457,6 +501,7 @@ fn run_rank<B: TrainBackend>(
     });
     if mesh.world().rank() == 0 {
         describe_run(&config, &data, &strategy.rank.split.plan, dims, &progress);
+        describe_peak(&config, peak.as_ref());
     }
     // Everything the checkpoint held is in the model and optimizer now.
     drop(resumed);
@@ -511,7 +556,7 @@ fn check_model_settings<B: TrainBackend>(
     if (checkpointing == ActivationCheckpointing::Selective) != B::RECOMPUTES_MEMORY_BOUND_OPS {
         bail!(
             "train.activation_checkpointing = {checkpointing} needs a backend whose autodiff \
-             {} Burn's BalancedCheckpointing (`train::run_on_cpu` picks the right one)",
+             {} Burn's BalancedCheckpointing (`train::run_on_device` picks the right one)",
             if B::RECOMPUTES_MEMORY_BOUND_OPS {
                 "does not use"
             } else {
@@ -536,6 +581,92 @@ fn check_model_settings<B: TrainBackend>(
     }
     Ok(())
 }
+
+/// This rank's device: `run.device`'s kind, at the index its place picks (see
+/// `DeviceSpec::ordinal`).
+fn rank_device<B: TrainBackend>(config: &RunConfig, place: HostPlace) -> anyhow::Result<B::Device> {
+    let ordinal = config
+        .run
+        .device
+        .ordinal(place.local_rank, place.thread_rank)?;
+    Ok(B::device_at(ordinal)?)
+}
+
+/// Refuses a precision the device cannot compute in: half-precision compute or matmul inputs
+/// on a device without that type's arithmetic, TF32 off CUDA.
+fn check_precision<B: TrainBackend>(config: &RunConfig, device: &B::Device) -> anyhow::Result<()> {
+    let (precision, device_spec) = (&config.precision, config.run.device);
+    let compute = ("precision.compute", precision.compute.to_string());
+    let matmul = ("precision.matmul", precision.matmul.to_string());
+    let half = [
+        (compute, Some(precision.compute.compute_dtype())),
+        (matmul, precision.matmul.compute_dtype()),
+    ];
+    for ((key, value), dtype) in half {
+        let Some(dtype) = dtype.filter(|&d| d != FloatDType::F32) else {
+            continue;
+        };
+        if !B::supports_dtype(device, DType::from(dtype)) {
+            bail!(
+                "{key} = \"{value}\" needs {value} arithmetic, which --device {device_spec} does \
+                 not have (use fp32 / off there, or another device)"
+            );
+        }
+    }
+    if precision.matmul == MatmulPrecision::Tf32 && B::KIND != DeviceKind::Cuda {
+        bail!(
+            "precision.matmul = \"tf32\" runs on CUDA tensor cores; --device {device_spec} has \
+             none (use off, bf16 or f16 there)"
+        );
+    }
+    Ok(())
+}
+
+/// The peak FLOP/s of one rank's device that MFU divides by, and where it comes from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct DevicePeak {
+    flops: f64,
+    source: String,
+}
+
+/// One rank's peak: `run.peak_flops` when given, else a known GPU's data-sheet peak, else
+/// (cpu, wgpu) the f32 matmul rate rank 0 measures while the other ranks wait, split evenly
+/// between the ranks that share its host. `None` on a GPU wildfire does not know.
+fn device_peak<B: TrainBackend>(
+    config: &RunConfig,
+    device: &B::Device,
+    place: HostPlace,
+    world: &ProcessGroup,
+) -> anyhow::Result<Option<DevicePeak>> {
+    if let Some(flops) = config.run.peak_flops {
+        let source = "run.peak_flops".to_string();
+        return Ok(Some(DevicePeak { flops, source }));
+    }
+    if let Some((name, flops)) = B::data_sheet_peak(device) {
+        let source = format!("{name}'s dense bf16 peak");
+        return Ok(Some(DevicePeak { flops, source }));
+    }
+    if B::KIND == DeviceKind::Cuda {
+        return Ok(None);
+    }
+    world.barrier()?;
+    let measured = (world.rank() == 0).then(|| {
+        let machine = measure_matmul_flops::<B::InnerBackend>(device, 512, PEAK_PROBE_TIME);
+        DevicePeak {
+            flops: machine / place.ranks_on_host as f64,
+            source: format!(
+                "this machine's measured f32 matmul on {} ({:.1} GFLOP/s) over its {} rank(s)",
+                config.run.device,
+                machine / 1e9,
+                place.ranks_on_host
+            ),
+        }
+    });
+    Ok(Some(world.broadcast_json(measured.as_ref())?))
+}
+
+/// How long rank 0 multiplies matrices to measure a CPU or wgpu device's peak.
+const PEAK_PROBE_TIME: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// The chunks of the GPT this rank trains, and the layout of its parameters in the whole
 /// model: the whole model drawn from the seed (the same on every rank), loaded from the
@@ -567,6 +698,7 @@ fn build_model<B: TrainBackend>(
     let whole = match (resumed, &config.run.init_from) {
         (Some(loaded), _) => loaded.apply_params(whole)?,
         (None, Some(source)) => crate::hf::init_from(whole, source)?,
+        (None, None) if B::KIND != DeviceKind::Cpu => drawn_on_cpu(whole, model_config, config)?,
         (None, None) => whole,
     };
     let layout = match model_config.tie_embeddings {
@@ -588,6 +720,21 @@ fn build_model<B: TrainBackend>(
         }
     };
     Ok((layout, chunks))
+}
+
+/// `whole` with the parameters the CPU backend draws from the run's seed: every device starts
+/// from the same model (backends' random generators differ), so a run on wgpu or CUDA follows
+/// the CPU run's trajectory up to rounding.
+fn drawn_on_cpu<B: Backend>(
+    whole: Gpt<B>,
+    model_config: &GptConfig,
+    config: &RunConfig,
+) -> anyhow::Result<Gpt<B>> {
+    let cpu = Default::default();
+    Flex::seed(&cpu, config.train.seed);
+    let drawn = Gpt::<Flex>::new(model_config, StageSpec::whole(model_config), &cpu);
+    let layout = ModuleLayout::of(&whole, TpPlan::serial());
+    Ok(layout.load(whole, &param_values(&drawn))?)
 }
 
 /// Where the run stands: the learning-rate schedule, the sampler of this data-parallel rank's
@@ -703,6 +850,7 @@ fn loop_settings(
     model: &GptConfig,
     dims: ParallelDims,
     start_step: u64,
+    peak: Option<&DevicePeak>,
 ) -> LoopSettings {
     LoopSettings {
         start_step,
@@ -714,7 +862,7 @@ fn loop_settings(
         checkpoint_in_background: config.checkpoint.in_background,
         seed: config.train.seed,
         flops_per_token: model.flops_per_token(model.context),
-        peak_flops: config.run.peak_flops,
+        peak_flops: peak.map(|peak| peak.flops),
         dp: dims.dp,
     }
 }
@@ -830,7 +978,7 @@ fn supervised_training<B: TrainBackend>(
     .metric_valid_numeric(StepScalar::<Loss>::default())
     .with_application_logger(None)
     .with_training_strategy(TrainingStrategy::Custom(strategy.clone()));
-    let mfu_known = config.run.peak_flops.is_some();
+    let mfu_known = strategy.settings.peak_flops.is_some();
     if mfu_known {
         training = training.metric_train_numeric(StepScalar::<Mfu>::default());
     }
@@ -843,6 +991,20 @@ fn supervised_training<B: TrainBackend>(
         training = training.renderer(LogRenderer::new(config.run.log_every as usize, mfu_known));
     }
     training
+}
+
+/// Prints the device and what MFU divides by.
+fn describe_peak(config: &RunConfig, peak: Option<&DevicePeak>) {
+    match peak {
+        Some(peak) => println!(
+            "device {}; MFU against {:.3e} FLOP/s per rank: {}",
+            config.run.device, peak.flops, peak.source
+        ),
+        None => println!(
+            "device {}; MFU n/a: a GPU without a known peak (set run.peak_flops)",
+            config.run.device
+        ),
+    }
 }
 
 /// Prints what the run trains, on what, and over which layout.

@@ -156,6 +156,20 @@ pub fn remove_checkpoints(dir: &Path, steps: std::ops::RangeInclusive<u64>) {
     }
 }
 
+/// Copies directory `from` (files and subdirectories) to `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("create the copy");
+    for entry in std::fs::read_dir(from).expect("read the directory") {
+        let entry = entry.expect("an entry");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("its type").is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy a file");
+        }
+    }
+}
+
 /// The final checkpoint's parameters by name.
 pub fn params(dir: &Path) -> BTreeMap<String, TensorData> {
     let latest = checkpoint::resolve(dir).expect("a checkpoint");
@@ -218,6 +232,76 @@ pub fn worst_over_checkpoints(
         }
     }
     worst
+}
+
+/// How far a run may drift from its reference: losses at every step (relative), any checkpointed
+/// element (absolute), and the share of elements more than 1e-5 apart (at most 1 in
+/// `one_in_over_1e5`).
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    pub loss: f64,
+    pub element: f32,
+    pub one_in_over_1e5: usize,
+}
+
+/// The bounds of `tensor_parallel`'s module doc, for 10 steps: they bound what different
+/// summation orders do to a trajectory (AdamW turns a few ulps in a gradient near ε into
+/// visible steps).
+pub const SUMMATION_ORDER: Bounds = Bounds {
+    loss: 1e-5,
+    element: 2e-4,
+    one_in_over_1e5: 1_000,
+};
+
+/// [`assert_trains_within`] the [`SUMMATION_ORDER`] bounds.
+pub fn assert_trains_like(reference: &Path, run: &Path, what: &str) {
+    assert_trains_within(reference, run, what, SUMMATION_ORDER);
+}
+
+/// `run` against `reference` within `bounds`, and the first step's gradient norm (before the
+/// parameters can differ) within 1e-6 relative; the measured worst cases are printed first.
+pub fn assert_trains_within(reference: &Path, run: &Path, what: &str, bounds: Bounds) {
+    let mut over = (0, 0);
+    let worst = worst_over_checkpoints(reference, run, what, |expected, got| {
+        let (count, total) = count_differences_over(expected, got, 1e-5);
+        over = (over.0 + count, over.1 + total);
+        max_param_difference(expected, got)
+    });
+    let losses = series(reference, "train", "loss")
+        .iter()
+        .zip(series(run, "train", "loss"))
+        .map(|(a, b)| (a - b).abs() / a)
+        .fold(0.0, f64::max);
+    println!(
+        "{what}: worst loss difference {losses:e} (relative), worst parameter difference {:e} \
+         at {}, {} of {} checkpointed elements more than 1e-5 apart",
+        worst.0, worst.1, over.0, over.1
+    );
+    assert_close_losses(
+        &series(reference, "train", "loss"),
+        &series(run, "train", "loss"),
+        bounds.loss,
+        what,
+    );
+    let norms = [reference, run].map(|dir| series(dir, "train", "grad_norm")[0]);
+    assert!(
+        (norms[0] - norms[1]).abs() <= 1e-6 * norms[0],
+        "{what}: first gradient norm {} serially, {} here",
+        norms[0],
+        norms[1]
+    );
+    assert!(
+        worst.0 <= bounds.element,
+        "{what}: {:e} at {}",
+        worst.0,
+        worst.1
+    );
+    assert!(
+        over.0 * bounds.one_in_over_1e5 <= over.1,
+        "{what}: {} of {} elements more than 1e-5 apart",
+        over.0,
+        over.1
+    );
 }
 
 pub fn assert_close_losses(serial: &[f64], parallel: &[f64], tolerance: f64, what: &str) {

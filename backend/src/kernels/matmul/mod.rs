@@ -47,6 +47,11 @@ pub enum MatmulPrecision {
     Bf16,
     /// Inputs rounded to f16, accumulated in f32, returned in the inputs' type.
     F16,
+    /// TF32 tensor cores (inputs rounded to a 10-bit mantissa, accumulated in f32), PyTorch's
+    /// `set_float32_matmul_precision("high")`: CUDA devices only. It is the backend's own
+    /// matmul: Burn 0.21's CUDA matmul (cubek-matmul) already stages f32 inputs as TF32
+    /// wherever its tensor-core kernel runs, so on CUDA `Off` computes alike.
+    Tf32,
 }
 
 impl MatmulPrecision {
@@ -56,6 +61,7 @@ impl MatmulPrecision {
             Self::Off => None,
             Self::Bf16 => Some(FloatDType::BF16),
             Self::F16 => Some(FloatDType::F16),
+            Self::Tf32 => None,
         }
     }
 }
@@ -68,8 +74,9 @@ impl std::str::FromStr for MatmulPrecision {
             "off" => Ok(Self::Off),
             "bf16" => Ok(Self::Bf16),
             "f16" | "fp16" => Ok(Self::F16),
+            "tf32" => Ok(Self::Tf32),
             _ => Err(format!(
-                "unknown matmul precision {text:?} (expected off, bf16 or f16)"
+                "unknown matmul precision {text:?} (expected off, bf16, f16 or tf32)"
             )),
         }
     }
@@ -81,6 +88,7 @@ impl std::fmt::Display for MatmulPrecision {
             Self::Off => "off",
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
+            Self::Tf32 => "tf32",
         })
     }
 }
@@ -97,6 +105,7 @@ pub fn matmul_precision() -> MatmulPrecision {
     match POLICY.load(Ordering::Relaxed) {
         1 => MatmulPrecision::Bf16,
         2 => MatmulPrecision::F16,
+        3 => MatmulPrecision::Tf32,
         _ => MatmulPrecision::Off,
     }
 }

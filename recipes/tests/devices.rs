@@ -1,0 +1,218 @@
+//! `wildfire train --device wgpu` against `--device cpu`: the recipe on its CubeCL path (the
+//! code the CUDA backend runs, here through WGSL on Mesa's lavapipe), serial and in every
+//! parallel layout, with its checkpoints, resume and generation, checked against the CPU run of
+//! the same config.
+//!
+//! Tolerance. Both devices start from the same parameters (drawn on the CPU from the seed) and
+//! compute in f32; they differ in summation orders (lavapipe's matmul tiles and reductions
+//! against Flex's gemm) and in `exp`/`tanh` implementations, a few ulps per operation. That is
+//! the situation of tensor parallelism against serial training, so the bounds are the same table
+//! (`assert_trains_like`): losses within 1e-5 relative at every step, the first gradient norm
+//! within 1e-6, every checkpointed element within 2e-4 and at most 1 in 1,000 more than 1e-5
+//! apart. Measured after 5 steps of each parallel layout (2026-12-04, AVX-512 Xeon): losses
+//! 6.7e-8 apart at worst, elements 3.5e-5, 14 of 4.0 M elements more than 1e-5 apart.
+//!
+//! Over 20 steps the losses drift further apart, as any two summation orders do once AdamW has
+//! amplified the first differences (measured: 2.7e-5 relative at step 16; elements 1.8e-5 at
+//! worst, 41 of 16.1 M more than 1e-5 apart), so the 20-step comparison allows losses 1e-4
+//! apart and keeps the element bounds.
+//!
+//! Every test here needs a wgpu adapter: without one it prints why and is skipped, unless
+//! `WILDFIRE_REQUIRE_WGPU=1` (CI) makes that a failure.
+
+use std::path::Path;
+
+use wildfire_backend::kernels::probe;
+
+use crate::common::*;
+
+/// The bounds for 20 steps: see the module doc.
+const TWENTY_STEPS: Bounds = Bounds {
+    loss: 1e-4,
+    ..SUMMATION_ORDER
+};
+
+/// Whether a wgpu adapter answers (see the module doc).
+fn has_wgpu() -> bool {
+    probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU").is_some()
+}
+
+/// The base arguments on `device` with `extra`, keeping every step's checkpoint.
+fn device_args(dir: &Path, device: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = base_args(dir);
+    let keep_every_step = [
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep_last=0",
+    ];
+    let device = ["--device", device];
+    args.extend((keep_every_step.iter().chain(&device).chain(extra)).map(|s| s.to_string()));
+    args
+}
+
+/// A run of one process on `device` with `extra`, which must succeed.
+fn single(name: &str, device: &str, extra: &[&str]) -> RunDir {
+    let dir = run_dir(name);
+    let args = device_args(&dir, device, extra);
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    dir
+}
+
+/// A run of `ranks` processes under `wildfire launch` on `device` with `extra`.
+fn launched(name: &str, device: &str, ranks: usize, port: u16, extra: &[&str]) -> RunDir {
+    let dir = run_dir(name);
+    let args = device_args(&dir, device, extra);
+    let out = launch(ranks, port, &args);
+    assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    dir
+}
+
+/// 20 steps on wgpu follow the CPU run: losses at every step and the parameters of every
+/// checkpoint. Then the same checkpoints cross devices: a wgpu run's step-10 checkpoint resumed
+/// on the CPU, and the CPU run's resumed on wgpu, continue the trajectory. And greedy generation
+/// from the last checkpoint writes the same text on both devices.
+#[test]
+fn on_wgpu_the_recipe_trains_resumes_and_generates_as_on_cpu() {
+    if !has_wgpu() {
+        return;
+    }
+    let twenty = [
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.eval_every=20",
+    ];
+    let cpu = single("device-cpu", "cpu", &twenty);
+    let wgpu = single("device-wgpu", "wgpu", &twenty);
+    assert_trains_within(&cpu, &wgpu, "wgpu against cpu, 20 steps", TWENTY_STEPS);
+
+    for (from, to, reference) in [(&wgpu, "cpu", &cpu), (&cpu, "wgpu", &wgpu)] {
+        let what = format!("checkpoint of {} resumed on {to}", from.display());
+        let resumed = run_dir(&format!("device-resumed-on-{to}"));
+        copy_dir(from, &resumed);
+        remove_checkpoints(&resumed, 11..=20);
+        let mut args = device_args(&resumed, to, &twenty);
+        args.push("--resume".into());
+        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+        assert!(out.status.success(), "{what}:\n{}", text(&out));
+        assert_trains_within(reference, &resumed, &what, TWENTY_STEPS);
+    }
+
+    let greedy = |device: &str| {
+        let args = [
+            "generate",
+            "--checkpoint",
+            cpu.to_str().unwrap(),
+            "--prompt",
+            "ROMEO:",
+            "--max-new-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--device",
+            device,
+        ]
+        .map(String::from);
+        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+        assert!(
+            out.status.success(),
+            "generate on {device}:\n{}",
+            text(&out)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let on_cpu = greedy("cpu");
+    assert!(
+        on_cpu.starts_with("ROMEO:") && on_cpu.chars().count() > 24,
+        "{on_cpu:?}"
+    );
+    assert_eq!(
+        on_cpu,
+        greedy("wgpu"),
+        "greedy generation on wgpu against cpu"
+    );
+}
+
+/// Every parallel layout on wgpu trains like its CPU twin: dp 2 and tp 2 over tcp processes,
+/// pp 2 on thread ranks, ZeRO 3 with the optimizer offloaded, and both kinds of activation
+/// checkpointing (the fused kernels are on in all of them, as by default).
+#[test]
+fn on_wgpu_every_parallel_layout_trains_like_on_cpu() {
+    if !has_wgpu() {
+        return;
+    }
+    let five = ["--set", "train.max_steps=5", "--set", "train.eval_every=5"];
+    let with_five = |extra: &[&'static str]| [&five[..], extra].concat();
+    for (name, extra) in [
+        ("pp2", with_five(&["--pp", "2", "--transport", "local"])),
+        (
+            "zero3-offload",
+            with_five(&[
+                "--dp",
+                "2",
+                "--zero",
+                "3",
+                "--offload-optimizer",
+                "--transport",
+                "local",
+            ]),
+        ),
+        (
+            "selective-checkpointing",
+            with_five(&["--activation-checkpointing", "selective"]),
+        ),
+        (
+            "full-checkpointing",
+            with_five(&["--activation-checkpointing", "full"]),
+        ),
+    ] {
+        let cpu = single(&format!("device-cpu-{name}"), "cpu", &extra);
+        let wgpu = single(&format!("device-wgpu-{name}"), "wgpu", &extra);
+        assert_trains_like(&cpu, &wgpu, &format!("{name} on wgpu against cpu"));
+    }
+    for (name, extra, port) in [
+        ("dp2", with_five(&["--dp", "2"]), 29750),
+        ("tp2", with_five(&["--tp", "2"]), 29751),
+    ] {
+        let cpu = launched(&format!("device-cpu-{name}"), "cpu", 2, port, &extra);
+        let wgpu = launched(&format!("device-wgpu-{name}"), "wgpu", 2, port, &extra);
+        assert_trains_like(
+            &cpu,
+            &wgpu,
+            &format!("{name} processes on wgpu against cpu"),
+        );
+    }
+}
+
+/// What a device cannot do is refused before training, naming the device: CUDA without the
+/// build feature or without a driver, TF32 off CUDA, an index on the CPU, bf16 on wgpu
+/// (WGSL has no bf16 type; f16 it has where the adapter does, as lavapipe does).
+#[test]
+fn devices_refuse_what_they_cannot_do() {
+    let cuda = if cfg!(feature = "cuda") {
+        "no NVIDIA driver"
+    } else {
+        "--features cuda"
+    };
+    let mut cases: Vec<(&[&str], &str)> = vec![
+        (&["--device", "cpu:1"], "takes no index"),
+        (&["--device", "tpu"], "unknown device \"tpu\""),
+        (
+            &["--matmul-precision", "tf32"],
+            "tf32\" runs on CUDA tensor cores; --device cpu has none",
+        ),
+    ];
+    if has_wgpu() {
+        cases.push((
+            &["--device", "wgpu", "--precision", "bf16"],
+            "precision.compute = \"bf16\" needs bf16 arithmetic, which --device wgpu does not have",
+        ));
+    }
+    // Only where this machine has no GPU does `--device cuda` fail for want of a driver.
+    if !Path::new("/dev/nvidia0").exists() {
+        cases.push((&["--device", "cuda"], cuda));
+    }
+    assert_refused("device-refused", &cases);
+}
