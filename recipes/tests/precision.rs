@@ -318,7 +318,7 @@ fn bad_precision_settings_are_refused() {
             ),
             (
                 &["--matmul-precision", "fp8"],
-                "unknown matmul precision \"fp8\" (expected off, bf16 or f16)",
+                "unknown matmul precision \"fp8\" (expected off, bf16, f16 or tf32)",
             ),
             (
                 &["--precision", "bf16", "--matmul-precision", "bf16"],
