@@ -1,6 +1,6 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
-//! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), and the
-//! process launcher behind `wildfire launch` ([`launch`]).
+//! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), each rank's
+//! device ([`device`]), and the process launcher behind `wildfire launch` ([`launch`]).
 
 pub mod alloc;
 pub mod collective;

@@ -325,11 +325,12 @@ pub fn run_on_device(config: RunConfig, start: Start) -> anyhow::Result<TrainOut
     on_device(config.run.device.kind, Train(config, start))
 }
 
-/// Trains as `config` says, on backend `B`'s devices (see [`HostPlace`]): on one rank, or on every rank of
-/// the parallel layout (`parallel.transport`: the processes of a launched job, or threads of this
-/// process). [`Start::Resume`] continues from the newest complete checkpoint of `config.run.dir`
-/// (see [`resume_config`] for its config). Returns rank 0's outcome. `B`'s autodiff must use
-/// Burn's `BalancedCheckpointing` exactly when `train.activation_checkpointing = selective`.
+/// Trains as `config` says, on backend `B`'s devices (one per rank, see `DeviceSpec::ordinal`):
+/// on one rank, or on every rank of the parallel layout (`parallel.transport`: the processes of
+/// a launched job, or threads of this process). [`Start::Resume`] continues from the newest
+/// complete checkpoint of `config.run.dir` (see [`resume_config`] for its config). Returns rank
+/// 0's outcome. `B`'s autodiff must use Burn's `BalancedCheckpointing` exactly when
+/// `train.activation_checkpointing = selective`.
 pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
     match config.parallel.transport {
