@@ -21,7 +21,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::SafeTensors;
 use wildfire_parallel::checkpoint::module::ModuleLayout;
-use wildfire_parallel::tp::TpPlan;
 
 use crate::model::params::collect_params;
 use crate::model::{Gpt, GptConfig};
@@ -133,9 +132,8 @@ pub fn import<B: Backend>(model: Gpt<B>, path: &Path) -> anyhow::Result<Gpt<B>> 
             unknown.join(", ")
         );
     }
-    let layout = ModuleLayout::of(&model, TpPlan::serial());
     let source = || path.display().to_string();
-    layout.load(model, &tensors).with_context(source)
+    ModuleLayout::load_whole(model, &tensors).with_context(source)
 }
 
 /// Hugging Face's `config.json` for a GPT2LMHeadModel of these sizes.

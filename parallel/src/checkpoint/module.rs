@@ -123,6 +123,16 @@ impl ModuleLayout {
         collect.slices
     }
 
+    /// The whole (unsplit) `module` with every parameter from `tensors` (by path, ids kept):
+    /// [`Self::load`] at [`TpPlan::serial`]. How a checkpoint, another format's weights or the
+    /// same module's values on another backend ([`crate::paths::param_values`]) load.
+    pub fn load_whole<B: Backend, M: Module<B>>(
+        module: M,
+        tensors: &BTreeMap<String, TensorData>,
+    ) -> Result<M, CheckpointError> {
+        Self::of(&module, TpPlan::serial()).load(module, tensors)
+    }
+
     /// `module` (split by this layout's plan) with every parameter from `tensors` (whole, by
     /// path): this rank's part of it under the plan, in the parameter's id. Refused before
     /// anything is loaded, naming the parameter: one `tensors` lacks, or a whole tensor whose

@@ -44,7 +44,6 @@ use wildfire_parallel::checkpoint::zero::{
 };
 use wildfire_parallel::fsdp::{FullMoments, ZeroStage};
 use wildfire_parallel::precision::DynamicLossScaler;
-use wildfire_parallel::tp::TpPlan;
 
 use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
@@ -268,9 +267,8 @@ impl Loaded {
     /// The whole `model` with the checkpoint's parameters (ids kept): a checkpoint of any
     /// pipeline layout and tensor-parallel degree loads into the whole model.
     pub fn apply_params<B: Backend>(&self, model: Gpt<B>) -> anyhow::Result<Gpt<B>> {
-        let layout = ModuleLayout::of(&model, TpPlan::serial());
         let source = || format!("checkpoint {}", self.dir.display());
-        layout.load(model, &self.params).with_context(source)
+        ModuleLayout::load_whole(model, &self.params).with_context(source)
     }
 
     /// The moments of every parameter of `model` that has them, flat, by id (to restore a

@@ -734,8 +734,7 @@ fn drawn_on_cpu<B: Backend>(
     let cpu = Default::default();
     Flex::seed(&cpu, config.train.seed);
     let drawn = Gpt::<Flex>::new(model_config, StageSpec::whole(model_config), &cpu);
-    let layout = ModuleLayout::of(&whole, TpPlan::serial());
-    Ok(layout.load(whole, &param_values(&drawn))?)
+    Ok(ModuleLayout::load_whole(whole, &param_values(&drawn))?)
 }
 
 /// Where the run stands: the learning-rate schedule, the sampler of this data-parallel rank's
