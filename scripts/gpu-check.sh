@@ -3,17 +3,17 @@
 # WILDFIRE_GPU_BUNDLE=<folder>, runs the executables `scripts/gpu-bundle.sh` built on another
 # machine, for GPU machines without Rust), then runs, in this order:
 #   0. `wildfire train --device cuda` on GPT-2 124M, bf16, context 1024 (tokens/s and MFU against
-#      the GPU's data-sheet peak, in its log lines), then the same model in PyTorch, eager and
-#      torch.compile, bf16 autocast, same batch, where PyTorch with CUDA is installed
-#      (benches/reference/train_tiny.py --model gpt2);
+#      the GPU's data-sheet peak, in its log lines), with the fused ops and with them decomposed,
+#      then the same model in PyTorch, eager and torch.compile, bf16 autocast, same batch, where
+#      PyTorch with CUDA is installed (benches/reference/train_tiny.py --model gpt2);
 #   1. the CubeCL kernels' benchmark against Burn's own ops, in bf16, with the issue's targets
 #      (attention forward+backward >= 400 TFLOP/s at head dim 128 and length 4096;
 #      mixed-precision matmul >= 70% of the dense bf16 peak at 8192^3, the peak from
 #      WILDFIRE_PEAK_BF16_TFLOPS, default 989 for H100/H200 SXM) and its output against Burn's;
-#   2. the kernels' tests on CUDA (f32, f16, bf16) and a GPT training step with them against
+#   2. comm-check at world size 1 and, with 2+ GPUs, one process per GPU over NCCL;
+#   3. the kernels' tests on CUDA (f32, f16, bf16) and a GPT training step with them against
 #      the decomposed ops;
-#   3. the decorator and collective tests on CUDA tensors (ranks as threads, world 1 and 2);
-#   4. comm-check at world size 1 and, with 2+ GPUs, one process per GPU over NCCL.
+#   4. the decorator and collective tests on CUDA tensors (ranks as threads, world 1 and 2).
 # Each step is stopped after WILDFIRE_GPU_STEP_TIMEOUT seconds (default 120; training and
 # torch.compile get twice that, so the whole check fits in about 8 minutes) and its output
 # is kept in WILDFIRE_GPU_LOGS (default a new temporary folder). Prints a summary that says
@@ -100,13 +100,18 @@ export WILDFIRE_REQUIRE_CUDA=1
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 
 # GPT-2 124M on one GPU, bf16, context 1024, 8 sequences per step: wildfire, then PyTorch.
+# Twice: with the fused ops (the default) and with them decomposed into Burn's ops, whose
+# matmuls are Burn's autotuned tensor-core kernels (the fused attention is not tuned for GPUs).
 batch=8
-limit=$((2 * step_limit)) run train-gpt2 \
-    "wildfire train --device cuda: GPT-2 124M, bf16, context 1024, batch $batch (tokens/s, MFU)" \
-    "$bin_dir/wildfire" train --config recipes/configs/gpt2-124m.toml --device cuda \
-    --precision bf16 --set train.max_steps=30 --set "train.micro_batch=$batch" \
-    --set train.grad_accum=1 --set train.eval_every=0 --set checkpoint.every=0 \
-    --set run.log_every=5 --set "run.dir=\"$logs/gpt2-run\""
+for fused in true false; do
+    limit=$((2 * step_limit)) run "train-gpt2-fused-$fused" \
+        "wildfire train --device cuda: GPT-2 124M, bf16, context 1024, batch $batch, fused ops $fused (tokens/s, MFU)" \
+        "$bin_dir/wildfire" train --config recipes/configs/gpt2-124m.toml --device cuda \
+        --precision bf16 --set train.max_steps=30 --set "train.micro_batch=$batch" \
+        --set train.grad_accum=1 --set train.eval_every=0 --set checkpoint.every=0 \
+        --set "train.fused_ops=$fused" --set run.log_every=5 \
+        --set "run.dir=\"$logs/gpt2-run-fused-$fused\""
+done
 if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     for mode in eager compile; do
         flags=(--threads 8 --model gpt2 --device cuda --batch "$batch" --bf16 --warmup 5 --steps 20)
@@ -128,6 +133,15 @@ run kernels-bench "CubeCL kernels on CUDA, bf16: agreement with Burn and through
     --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 2 --targets \
     --peak-tflops "${WILDFIRE_PEAK_BF16_TFLOPS:-989}"
 
+run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
+if [ "$gpus" -gt 1 ]; then
+    run comm-check-nccl "comm-check, $gpus processes (one per GPU), CUDA tensors, tcp transport" \
+        "$bin_dir/wildfire" launch --nproc-per-node "$gpus" --master-port 29555 -- \
+        "$bin_dir/wildfire" comm-check --device cuda
+else
+    note "SKIP  multi-GPU comm-check and NCCL between ranks: only 1 GPU present (the one-rank NCCL probe ran)"
+fi
+
 # The kernels' correctness on CUDA, in f32, f16 and bf16 (bf16 is skipped on lavapipe): the
 # attention's output and three gradients against decomposed attention at every tested shape,
 # the matmul against f64 and bitwise on small integers, the fused bias + GELU and its gradients
@@ -141,15 +155,6 @@ run test-fused-ops "a GPT training step on CUDA, fused ops against decomposed on
 
 run test-gpu "decorator + collectives tests on CUDA tensors (ranks as threads, world 1 and 2)" \
     cargo_test wildfire-tests integration gpu:: --nocapture --test-threads 1
-
-run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
-if [ "$gpus" -gt 1 ]; then
-    run comm-check-nccl "comm-check, $gpus processes (one per GPU), CUDA tensors, tcp transport" \
-        "$bin_dir/wildfire" launch --nproc-per-node "$gpus" --master-port 29555 -- \
-        "$bin_dir/wildfire" comm-check --device cuda
-else
-    note "SKIP  multi-GPU comm-check and NCCL between ranks: only 1 GPU present (the one-rank NCCL probe ran)"
-fi
 
 echo
 echo "gpu-check summary (logs in $logs):"

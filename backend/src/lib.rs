@@ -7,6 +7,7 @@ pub mod collective;
 pub mod comm;
 mod decorator;
 pub mod device;
+pub mod host_data;
 pub mod kernels;
 pub mod launch;
 mod typecast;

@@ -25,6 +25,7 @@ use burn::optim::{AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Device, Tensor, TensorData};
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::host_data::host_values;
 
 use crate::dp::{self, ParamSpec};
 use crate::fsdp::{FullMoments, ZeroError, ZeroOptimizer, unit_params};
@@ -287,7 +288,8 @@ impl WholeMoments {
         let mut flat = vec![0f32; 2 * total];
         let mut times = vec![0f64; numels.len()];
         for piece in saved.pieces {
-            let values = |t: Tensor<A, 1>| t.into_data().to_vec::<f32>().map_err(|e| e.to_string());
+            let values =
+                |t: Tensor<A, 1>| host_values::<f32>(t.into_data()).map_err(|e| e.to_string());
             let (m, v) = (values(piece.exp_avg)?, values(piece.exp_avg_sq)?);
             let Some(&numel) = numels.get(piece.position) else {
                 return Err(format!(

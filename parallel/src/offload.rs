@@ -15,6 +15,7 @@ use burn::optim::{AdamWState, SimpleOptimizer};
 use burn::record::{PrecisionSettings, Record};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
+use wildfire_backend::host_data::aligned;
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 /// [`FusedAdamW`] with its moments on the parameters' device, or in host memory.
@@ -118,7 +119,7 @@ impl<B: Backend> SimpleOptimizer<B> for PlacedAdamW {
             return (param, state.map(PlacedMoments::Device));
         }
         let host = Default::default();
-        let to_host = |t: Tensor<B, D>| Tensor::<Flex, D>::from_data(t.into_data(), &host);
+        let to_host = |t: Tensor<B, D>| Tensor::<Flex, D>::from_data(aligned(t.into_data()), &host);
         let state = state.map(|s| match s.placed(true, &device) {
             PlacedMoments::Host(state) => *state,
             PlacedMoments::Device(_) => unreachable!("placed in host memory"),

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use wildfire_backend::host_data::aligned;
 
 /// The path of the module or parameter a visitor or mapper is at.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -128,7 +129,8 @@ pub fn param_values<B: Backend, M: Module<B>>(module: &M) -> BTreeMap<String, Te
     struct Values(BTreeMap<String, TensorData>);
     impl<B: Backend> ParamFn<B> for Values {
         fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
-            self.0.insert(path.to_string(), param.val().into_data());
+            self.0
+                .insert(path.to_string(), aligned(param.val().into_data()));
         }
     }
     let mut values = Values(BTreeMap::new());

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use wildfire_backend::DecoratedBackend;
+use wildfire_backend::host_data::aligned;
 
 use anyhow::bail;
 use burn::module::Module;
@@ -69,7 +70,7 @@ pub fn generate<B: DecoratedBackend>(
             Tensor::<B, 2, Int>::from_data(TensorData::new(input, [1, window.len()]), &device);
         let logits = model.forward(input);
         let [_, seq, vocab] = logits.dims();
-        let last = logits.slice([0..1, seq - 1..seq, 0..vocab]).into_data();
+        let last = aligned(logits.slice([0..1, seq - 1..seq, 0..vocab]).into_data());
         let logits: Vec<f32> = last
             .convert::<f32>()
             .to_vec()

@@ -14,6 +14,7 @@ use burn::tensor::{BasicOps, DType, Element, Float, Int, Tensor, TensorData};
 use super::element::ReduceOp;
 use super::group::ProcessGroup;
 use super::layout::split_ranges;
+use crate::host_data::aligned;
 
 /// What a run checked.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -143,7 +144,7 @@ impl<B: Backend> Ctx<'_, B> {
                 self.dtype
             ));
         }
-        let data = got.into_data();
+        let data = aligned(got.into_data());
         for (i, value) in data.iter::<f64>().enumerate() {
             let want = expected(i / shape[1].max(1), i % shape[1].max(1));
             if value != want {

@@ -14,6 +14,7 @@ use super::error::CommError;
 use super::group::ProcessGroup;
 use super::mailbox::OpKind;
 use super::nccl_tensor;
+use crate::host_data::host_values;
 
 /// A host collective, run for whichever element type the tensor holds.
 pub(crate) trait HostOp {
@@ -48,9 +49,7 @@ fn wire_dtype(op: OpKind, dtype: burn::tensor::DType) -> Result<WireDType, CommE
 
 fn to_host<E: CommElem>(op: OpKind, data: TensorData) -> Result<HostTensor<E>, CommError> {
     let shape = data.shape.as_slice().to_vec();
-    let values = data
-        .into_vec::<E>()
-        .map_err(|e| tensor_error(op, format!("{e:?}")))?;
+    let values = host_values::<E>(data).map_err(|e| tensor_error(op, format!("{e:?}")))?;
     Ok(HostTensor {
         data: values,
         shape,

@@ -44,6 +44,7 @@ use burn::optim::{AdamWState, GradientsParams, SimpleOptimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::host_data::aligned;
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::dp::{self, FlatLayout, FlatTensors, ReduceStats};
@@ -416,7 +417,7 @@ fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
 }
 
 fn to_host<B: Backend>(tensor: Tensor<B, 1>) -> Tensor<Flex, 1> {
-    Tensor::from_data(tensor.into_data(), &Default::default())
+    Tensor::from_data(aligned(tensor.into_data()), &Default::default())
 }
 
 fn from_host<B: Backend>(tensor: Tensor<Flex, 1>, device: &B::Device) -> Tensor<B, 1> {

@@ -8,6 +8,7 @@ use burn::optim::AdamWState;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{CommError, ProcessGroup};
+use wildfire_backend::host_data::host_values;
 
 use super::{Flat, Moments, ZeroError, ZeroOptimizer, ZeroStage, intersect, owned_part, to_host};
 
@@ -244,6 +245,6 @@ impl<B: Backend> ZeroOptimizer<B> {
 /// The values of f32 `data`.
 fn f32_values(data: TensorData) -> Result<Vec<f32>, ZeroError> {
     let dtype = data.dtype;
-    data.to_vec()
+    host_values(data)
         .map_err(|_| ZeroError::State(format!("sharded state is {dtype:?}; checkpoints store f32")))
 }

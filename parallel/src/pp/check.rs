@@ -14,9 +14,14 @@
 //!    its backward; every (micro-batch, chunk) runs exactly one forward and one backward.
 //! 4. **No deadlock.** All ranks are simulated together: compute always proceeds, a receive
 //!    blocks until the matching send has run. [`check`] assumes *buffered* sends (a send returns
-//!    once queued, like wildfire's transport); [`check_with`] can also assume *rendezvous* sends
-//!    (a send and its receive complete together). A stall reports every blocked rank with the
-//!    action it waits at, so a cycle is visible.
+//!    once queued, like wildfire's host transports); [`check_with`] can also assume
+//!    *rendezvous* sends (a send and its receive complete together) or *grouped* ones (each run
+//!    of consecutive sends and receives on a rank is posted at once, as one NCCL group, and the
+//!    rank goes on once every one of them has met its peer's). A stall reports every blocked
+//!    rank with the action it waits at, so a cycle is visible. Without buffering, messages
+//!    between two ranks carry no tag and are matched in the order they are posted (NCCL's
+//!    point-to-point rule), so those semantics also require that each rank receives from a peer
+//!    in the order that peer sends to it.
 //! 5. **Memory.** The peak number of stored forward outputs on each rank is at most
 //!    [`Schedule::activation_bound`].
 //!
@@ -44,6 +49,17 @@ pub enum SendSemantics {
     Buffered,
     /// A send waits until the receiver reaches the matching receive.
     Rendezvous,
+    /// Each run of consecutive sends and receives on a rank is posted together (NCCL's
+    /// `ncclGroupStart`/`ncclGroupEnd` around `ncclSend`/`ncclRecv`); each completes once its
+    /// peer has posted the matching one, and the rank goes on once all of them have.
+    Grouped,
+}
+
+impl SendSemantics {
+    /// Whether messages between two ranks are matched by the order they are posted (no tags).
+    fn matched_in_order(self) -> bool {
+        self != Self::Buffered
+    }
 }
 
 impl fmt::Display for SendSemantics {
@@ -51,6 +67,7 @@ impl fmt::Display for SendSemantics {
         f.write_str(match self {
             Self::Buffered => "buffered",
             Self::Rendezvous => "rendezvous",
+            Self::Grouped => "grouped",
         })
     }
 }
@@ -91,6 +108,16 @@ pub enum CheckError {
         at: At,
         peer: usize,
         expected: &'static str,
+    },
+    /// A receive that, matched in posting order, would get another message its peer sends first.
+    #[error(
+        "{at}: rank {peer} sends first ({sent_first}), and without buffering messages \
+         between two ranks are received in the order they are sent"
+    )]
+    OutOfOrder {
+        at: At,
+        peer: usize,
+        sent_first: Action,
     },
     /// The same message is sent (or received) twice.
     #[error("{at}: duplicate of action {first_index} on the same rank")]
@@ -176,6 +203,9 @@ pub fn check_with(
     )?;
     check_shape(schedule)?;
     check_matching(schedule)?;
+    if semantics.matched_in_order() {
+        check_send_order(schedule)?;
+    }
     for rank in 0..schedule.stages {
         check_dependencies(schedule, rank)?;
     }
@@ -346,6 +376,37 @@ fn check_matching(schedule: &Schedule) -> Result<(), CheckError> {
     Ok(())
 }
 
+/// Each rank receives from each peer in the order that peer sends to it.
+fn check_send_order(schedule: &Schedule) -> Result<(), CheckError> {
+    let pp = schedule.stages;
+    for (from, to) in (0..pp).flat_map(|a| (0..pp).map(move |b| (a, b))) {
+        let sends = located(schedule).filter(|at| {
+            at.rank == from
+                && at.action.peer() == Some(to)
+                && matches!(role(schedule, from, &at.action), Role::Send(_))
+        });
+        let recvs = located(schedule).filter(|at| {
+            at.rank == to
+                && at.action.peer() == Some(from)
+                && matches!(role(schedule, to, &at.action), Role::Recv(_))
+        });
+        for (send, recv) in sends.zip(recvs) {
+            let message = |at: &At| match role(schedule, at.rank, &at.action) {
+                Role::Send(m) | Role::Recv(m) => Some(m),
+                Role::Compute => None,
+            };
+            if message(&send) != message(&recv) {
+                return Err(CheckError::OutOfOrder {
+                    at: recv,
+                    peer: from,
+                    sent_first: send.action,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Where on one rank each (micro-batch, chunk) event happened, indexed `mb·v + chunk`.
 struct Seen {
     v: usize,
@@ -487,12 +548,12 @@ fn simulate(
 }
 
 /// The outcome of trying to run one rank's current action.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Step {
     /// The rank is done or waits on a peer.
     Blocked,
-    /// The action ran; `wake` may now be able to continue too.
-    Ran { wake: Option<usize> },
+    /// The action ran (or a group was posted); the ranks in `wake` may be able to continue too.
+    Ran { wake: Vec<usize> },
 }
 
 /// The state of all ranks: a program counter and a clock each, and the messages in flight.
@@ -502,8 +563,12 @@ struct Simulation<'a> {
     pc: Vec<usize>,
     clock: Vec<u64>,
     busy: Vec<u64>,
-    /// When each buffered message was sent, indexed by [`Message::index`].
+    /// When each message's send was posted, indexed by [`Message::index`].
     posted: Vec<Option<u64>>,
+    /// When each message's receive was posted (grouped sends only).
+    recv_posted: Vec<Option<u64>>,
+    /// Per rank, the end of the group it has posted and waits on (grouped sends only).
+    group_end: Vec<Option<usize>>,
 }
 
 impl<'a> Simulation<'a> {
@@ -516,6 +581,8 @@ impl<'a> Simulation<'a> {
             clock: vec![0; pp],
             busy: vec![0; pp],
             posted: vec![None; message_count(schedule)],
+            recv_posted: vec![None; message_count(schedule)],
+            group_end: vec![None; pp],
         }
     }
 
@@ -542,7 +609,10 @@ impl<'a> Simulation<'a> {
                 self.clock[rank] += cost;
                 self.busy[rank] += cost;
                 self.pc[rank] += 1;
-                Step::Ran { wake: None }
+                Step::Ran { wake: Vec::new() }
+            }
+            Role::Send(_) | Role::Recv(_) if self.semantics == SendSemantics::Grouped => {
+                self.grouped(rank)
             }
             Role::Send(message) | Role::Recv(message)
                 if self.semantics == SendSemantics::Rendezvous =>
@@ -553,14 +623,14 @@ impl<'a> Simulation<'a> {
                 self.posted[message.index(self.schedule)] = Some(self.clock[rank]);
                 self.pc[rank] += 1;
                 Step::Ran {
-                    wake: at.action.peer(),
+                    wake: at.action.peer().into_iter().collect(),
                 }
             }
             Role::Recv(message) => match self.posted[message.index(self.schedule)] {
                 Some(sent_at) => {
                     self.clock[rank] = self.clock[rank].max(sent_at);
                     self.pc[rank] += 1;
-                    Step::Ran { wake: None }
+                    Step::Ran { wake: Vec::new() }
                 }
                 None => Step::Blocked,
             },
@@ -586,7 +656,55 @@ impl<'a> Simulation<'a> {
             self.clock[r] = time;
             self.pc[r] += 1;
         }
-        Step::Ran { wake: Some(peer) }
+        Step::Ran { wake: vec![peer] }
+    }
+
+    /// The sends and receives of `rank`'s current group, as (message, is a send) in list order.
+    fn group(&self, rank: usize, end: usize) -> impl Iterator<Item = (Message, bool)> + '_ {
+        self.schedule.actions[rank][self.pc[rank]..end]
+            .iter()
+            .filter_map(move |action| match role(self.schedule, rank, action) {
+                Role::Send(message) => Some((message, true)),
+                Role::Recv(message) => Some((message, false)),
+                Role::Compute => None,
+            })
+    }
+
+    /// Posts `rank`'s group (the run of sends and receives from its current action) and wakes
+    /// the peers; once posted, completes it when every message has both ends posted.
+    fn grouped(&mut self, rank: usize) -> Step {
+        let Some(end) = self.group_end[rank] else {
+            let list = &self.schedule.actions[rank];
+            let start = self.pc[rank];
+            let end = (start..list.len())
+                .find(|&i| matches!(role(self.schedule, rank, &list[i]), Role::Compute))
+                .unwrap_or(list.len());
+            let now = self.clock[rank];
+            let messages: Vec<(Message, bool)> = self.group(rank, end).collect();
+            for (message, is_send) in messages {
+                let table = if is_send {
+                    &mut self.posted
+                } else {
+                    &mut self.recv_posted
+                };
+                table[message.index(self.schedule)] = Some(now);
+            }
+            self.group_end[rank] = Some(end);
+            let wake = list[start..end].iter().filter_map(Action::peer).collect();
+            return Step::Ran { wake };
+        };
+        let mut done = self.clock[rank];
+        for (message, _) in self.group(rank, end) {
+            let index = message.index(self.schedule);
+            match (self.posted[index], self.recv_posted[index]) {
+                (Some(sent), Some(received)) => done = done.max(sent).max(received),
+                _ => return Step::Blocked,
+            }
+        }
+        self.clock[rank] = done;
+        self.pc[rank] = end;
+        self.group_end[rank] = None;
+        Step::Ran { wake: Vec::new() }
     }
 }
 
@@ -919,5 +1037,50 @@ mod tests {
              rank 0 waits at action 3 (send activation mb 1 chunk 0 to rank 1); \
              rank 1 waits at action 3 (send gradient mb 0 chunk 0 to rank 0)"
         );
+    }
+
+    /// Grouped sends (one NCCL group per run of consecutive sends and receives) pass GPipe and
+    /// 1F1B at every size, with the buffered timing: where rendezvous sends deadlock, a stage's
+    /// send and its next receive are posted together and meet the peer's pair. Interleaved
+    /// schedules are refused at some sizes: between two ranks they send activations and
+    /// gradients in an order the receiver does not follow (pp 2 v 2 m 3), or their wrap-around
+    /// sends form a ring that grouping does not break (pp 3 v 2 m 4).
+    #[test]
+    fn grouped_sends_pass_gpipe_and_1f1b_and_refuse_interleaved_by_order() {
+        for (kind, pp, v, m) in sweep(12) {
+            let schedule = build(kind, pp, v, m);
+            let at = format!("{kind} pp {pp} v {v} m {m}");
+            match check_with(&schedule, SendSemantics::Grouped) {
+                Ok(grouped) => assert_eq!(grouped, check(&schedule).unwrap(), "{at}"),
+                Err(CheckError::OutOfOrder { .. } | CheckError::Deadlock { .. })
+                    if kind == ScheduleKind::Interleaved => {}
+                Err(e) => panic!("{at}: {e}"),
+            }
+        }
+    }
+
+    /// Swapping two receives from the same peer passes with buffered (tagged) sends but not
+    /// where messages are matched in the order they are sent.
+    #[test]
+    fn unbuffered_sends_refuse_receives_out_of_send_order() {
+        let mut schedule = build(ScheduleKind::GPipe, 2, 1, 2);
+        let recv = |mb| Action::RecvActivation {
+            mb,
+            chunk: 0,
+            from: 0,
+        };
+        // Both receives first, the later micro-batch's first: every dependency still holds.
+        let list = &mut schedule.actions[1];
+        list.retain(|a| !matches!(a, Action::RecvActivation { .. }));
+        list.splice(0..0, [recv(1), recv(0)]);
+        check(&schedule).unwrap();
+        for semantics in [SendSemantics::Rendezvous, SendSemantics::Grouped] {
+            assert_eq!(
+                message_of(check_with(&schedule, semantics)),
+                "rank 1 action 0 (recv activation mb 1 chunk 0 from rank 0): rank 0 sends first \
+                 (send activation mb 0 chunk 0 to rank 1), and without buffering messages \
+                 between two ranks are received in the order they are sent"
+            );
+        }
     }
 }

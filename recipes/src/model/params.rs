@@ -5,6 +5,7 @@
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use wildfire_backend::host_data::aligned;
 use wildfire_parallel::paths::{self, PathStack};
 
 pub use wildfire_parallel::paths::ParamFn;
@@ -33,7 +34,7 @@ pub fn collect_params<B: Backend, M: Module<B>>(
     impl<B: Backend> ParamFn<B> for Collect {
         fn visit<const D: usize>(&mut self, name: &str, param: &Param<Tensor<B, D>>) {
             self.0
-                .push((name.to_string(), param.id, param.val().into_data()));
+                .push((name.to_string(), param.id, aligned(param.val().into_data())));
         }
     }
     let mut collect = Collect(Vec::new());
