@@ -1,6 +1,7 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
 //! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), each rank's
-//! device ([`device`]), and the process launcher behind `wildfire launch` ([`launch`]).
+//! device ([`device`]), tensor values read back to the host whatever their alignment
+//! ([`host_data`]), and the process launcher behind `wildfire launch` ([`launch`]).
 
 pub mod alloc;
 pub mod collective;
