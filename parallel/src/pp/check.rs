@@ -376,29 +376,26 @@ fn check_matching(schedule: &Schedule) -> Result<(), CheckError> {
     Ok(())
 }
 
-/// Each rank receives from each peer in the order that peer sends to it.
+/// Each rank receives from each peer in the order that peer sends to it: one pass collects, per
+/// ordered pair of ranks, the messages in send order and in receive order, then compares them.
 fn check_send_order(schedule: &Schedule) -> Result<(), CheckError> {
     let pp = schedule.stages;
-    for (from, to) in (0..pp).flat_map(|a| (0..pp).map(move |b| (a, b))) {
-        let sends = located(schedule).filter(|at| {
-            at.rank == from
-                && at.action.peer() == Some(to)
-                && matches!(role(schedule, from, &at.action), Role::Send(_))
-        });
-        let recvs = located(schedule).filter(|at| {
-            at.rank == to
-                && at.action.peer() == Some(from)
-                && matches!(role(schedule, to, &at.action), Role::Recv(_))
-        });
-        for (send, recv) in sends.zip(recvs) {
-            let message = |at: &At| match role(schedule, at.rank, &at.action) {
-                Role::Send(m) | Role::Recv(m) => Some(m),
-                Role::Compute => None,
-            };
-            if message(&send) != message(&recv) {
+    let mut sent = vec![Vec::new(); pp * pp];
+    let mut received = vec![Vec::new(); pp * pp];
+    for at in located(schedule) {
+        let peer = at.action.peer().unwrap_or(at.rank);
+        match role(schedule, at.rank, &at.action) {
+            Role::Send(message) => sent[at.rank * pp + peer].push((message, at)),
+            Role::Recv(message) => received[peer * pp + at.rank].push((message, at)),
+            Role::Compute => {}
+        }
+    }
+    for (sent, received) in sent.iter().zip(&received) {
+        for ((sent, send), (got, recv)) in sent.iter().zip(received) {
+            if sent != got {
                 return Err(CheckError::OutOfOrder {
-                    at: recv,
-                    peer: from,
+                    at: *recv,
+                    peer: send.rank,
                     sent_first: send.action,
                 });
             }
