@@ -5,7 +5,9 @@
 //! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side;
 //! with `--reference-ops`, so does wildfire with the fused ops' reference in Burn ops in place
 //! of their native loops on Flex; with `--wgpu`, so does wildfire on `Parallel<Wgpu>` (Mesa's
-//! lavapipe on a machine without a GPU, its threads set by `LP_NUM_THREADS`).
+//! lavapipe on a machine without a GPU, its threads set by `LP_NUM_THREADS`); with `--llama`,
+//! so does the Llama model of the same size (`llama-tiny`: the same 12·d² weights per block,
+//! SwiGLU, rotary embeddings, grouped-query attention, untied head).
 
 use crate::median;
 use std::path::Path;
@@ -55,6 +57,9 @@ pub struct TrainArgs {
     /// Also run wildfire on wgpu (`Parallel<Wgpu>`; lavapipe where there is no GPU).
     #[arg(long)]
     wgpu: bool,
+    /// Also run the llama-tiny model on the CPU.
+    #[arg(long)]
+    llama: bool,
 }
 
 #[derive(Debug, Args)]
@@ -66,6 +71,9 @@ pub struct WorkerArgs {
     /// `cpu` (`Parallel<Flex>`) or `wgpu` (`Parallel<Wgpu>`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "wgpu"])]
     device: String,
+    /// `tiny` or `llama-tiny`.
+    #[arg(long, value_enum, default_value = "tiny")]
+    preset: Preset,
 }
 
 /// Median per-step times of one process, in milliseconds.
@@ -124,7 +132,7 @@ fn worker_on<B: AutodiffBackend + DecoratedBackend>(
     system: &str,
 ) -> anyhow::Result<()> {
     B::seed(&device, 0);
-    let config = Preset::Tiny.config(VOCAB);
+    let config = args.preset.config(VOCAB);
     let mut model = Gpt::<B>::new(&config, StageSpec::whole(&config), &device);
     let mut optimizer = OptimizerAdaptor::from(MatrixDecayAdamW::new(&train_config()));
     let mut rng = SplitMix64::new(1);
@@ -148,7 +156,7 @@ fn worker_on<B: AutodiffBackend + DecoratedBackend>(
         let mut grads = GradientsParams::from_grads(grads, &model);
         clip_global_norm(&model, &mut grads, 1.0);
         model = optimizer.step(1e-3, model, grads);
-        let _ = model.blocks[0].attn.c_attn.weight.val().into_data();
+        let _ = model.blocks[0].attn.c_proj.weight.val().into_data();
         let done = Instant::now();
         if step >= 3 {
             forward.push((forwarded - start).as_secs_f64() * 1e3);
@@ -193,14 +201,17 @@ fn last_json_line(output: std::process::Output, what: &str) -> anyhow::Result<Sa
 
 /// The name of wildfire's runs with the fused ops' reference.
 const WILDFIRE_REFERENCE_OPS: &str = "wildfire-reference-ops";
+/// The name of wildfire's runs of llama-tiny.
+const WILDFIRE_LLAMA: &str = "wildfire-llama";
 
 /// What a worker process runs: wildfire on the CPU, with the fused ops' reference in Burn ops
-/// in place of their native loops, or on wgpu.
+/// in place of their native loops, on wgpu, or llama-tiny on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Variant {
     Cpu,
     CpuReferenceOps,
     Wgpu,
+    CpuLlama,
 }
 
 /// A worker process's sample of `variant`.
@@ -226,11 +237,19 @@ fn run_wildfire(threads: usize, steps: usize, variant: Variant) -> anyhow::Resul
             &steps.to_string(),
             "--device",
             device,
+            "--preset",
+            if variant == Variant::CpuLlama {
+                "llama-tiny"
+            } else {
+                "tiny"
+            },
         ])
         .output()?;
     let mut sample = last_json_line(output, "wildfire train worker")?;
-    if reference_ops {
-        sample.system = WILDFIRE_REFERENCE_OPS.into();
+    match variant {
+        Variant::CpuReferenceOps => sample.system = WILDFIRE_REFERENCE_OPS.into(),
+        Variant::CpuLlama => sample.system = WILDFIRE_LLAMA.into(),
+        Variant::Cpu | Variant::Wgpu => {}
     }
     Ok(sample)
 }
@@ -262,6 +281,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 Some(Variant::Cpu),
                 args.reference_ops.then_some(Variant::CpuReferenceOps),
                 args.wgpu.then_some(Variant::Wgpu),
+                args.llama.then_some(Variant::CpuLlama),
             ];
             for variant in variants.into_iter().flatten() {
                 let sample = run_wildfire(threads, args.steps.into(), variant)?;
@@ -319,6 +339,14 @@ fn summarise(samples: &[Sample], args: &TrainArgs) {
                 "threads {threads}: wildfire on wgpu {wgpu:.0} tok/s, on cpu {ours:.0} tok/s, \
                  ratio {:.3}",
                 wgpu / ours
+            );
+        }
+        if args.llama {
+            let llama = median_tokens_per_sec(samples, WILDFIRE_LLAMA, threads);
+            println!(
+                "threads {threads}: llama-tiny {llama:.0} tok/s, the tiny GPT {ours:.0} tok/s, \
+                 ratio {:.3}",
+                llama / ours
             );
         }
         if args.reference_ops {

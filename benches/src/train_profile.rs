@@ -95,7 +95,10 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         (
             "c_attn linear 128→384",
             layers,
-            measure(iters, &x, |x| block.attn.c_attn.forward(x)),
+            measure(iters, &x, |x| {
+                let c_attn = block.attn.c_attn.as_ref().expect("the GPT's fused QKV");
+                c_attn.forward(x)
+            }),
         ),
         (
             "attention core",

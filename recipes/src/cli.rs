@@ -93,7 +93,8 @@ pub struct TrainArgs {
     /// (sets data.path).
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
-    /// Start from Hugging Face GPT-2 weights, `hf:PATH/model.safetensors` (sets run.init_from).
+    /// Start from Hugging Face GPT-2 or Llama weights: `hf:DIR` (sizes from DIR/config.json)
+    /// or `hf:FILE` (.safetensors or index; sizes from the config) (sets run.init_from).
     #[arg(long, value_name = "hf:PATH")]
     pub init_from: Option<String>,
     /// Data-parallel ranks (sets parallel.dp).
@@ -239,6 +240,10 @@ pub struct GenerateArgs {
     pub top_k: Option<usize>,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    /// Run the whole window for every token instead of reusing the earlier positions' keys and
+    /// values (the same text, more work).
+    #[arg(long)]
+    pub no_kv_cache: bool,
     /// The device: cpu, wgpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_name = "cpu|wgpu|cuda[:N]")]
     pub device: DeviceSpec,
@@ -246,7 +251,8 @@ pub struct GenerateArgs {
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum ExportFormat {
-    /// Hugging Face GPT2LMHeadModel: model.safetensors + config.json.
+    /// Hugging Face GPT2LMHeadModel or LlamaForCausalLM: safetensors (one file, or shards and
+    /// model.safetensors.index.json) + config.json.
     HfSafetensors,
 }
 
@@ -260,6 +266,10 @@ pub struct ExportArgs {
     /// Output: a directory, or a path ending in .safetensors (config.json goes beside it).
     #[arg(long)]
     pub out: PathBuf,
+    /// Largest shard written into a directory, in bytes (suffixes KB, MB, GB: powers of 1000,
+    /// as Hugging Face's max_shard_size); a model above it is written as shards.
+    #[arg(long, default_value = "5GB", value_parser = parse_bytes)]
+    pub max_shard_size: u64,
     /// The device: cpu, wgpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_name = "cpu|wgpu|cuda[:N]")]
     pub device: DeviceSpec,
@@ -454,6 +464,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
                 temperature: args.temperature,
                 top_k: args.top_k,
                 seed: args.seed,
+                kv_cache: !args.no_kv_cache,
             };
             let prompt = args.prompt.replace("\\n", "\n");
             generate::generate(&model, &tokenizer, &prompt, &sampling, config.context)
@@ -461,6 +472,32 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
     }
     println!("{}", on_device(args.device.kind, Generate(args))?);
     Ok(0)
+}
+
+/// `5GB`, `500MB`, `10KB` or a plain number of bytes (powers of 1000).
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let upper = text.trim().to_ascii_uppercase();
+    let (digits, unit) = match upper.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => upper.split_at(at),
+        None => (upper.as_str(), ""),
+    };
+    let unit = match unit {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => {
+            return Err(format!(
+                "{text:?}: expected bytes, or a number with KB, MB or GB"
+            ));
+        }
+    };
+    match digits.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n * unit),
+        _ => Err(format!(
+            "{text:?}: expected a positive whole number of bytes, KB, MB or GB"
+        )),
+    }
 }
 
 fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
@@ -472,7 +509,9 @@ fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
             let device = process_device::<B>(args.device)?;
             let (model, _, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
             match args.format {
-                ExportFormat::HfSafetensors => hf::export(&model, &config, &args.out),
+                ExportFormat::HfSafetensors => {
+                    hf::export(&model, &config, &args.out, args.max_shard_size)
+                }
             }
         }
     }

@@ -14,7 +14,7 @@ use wildfire_parallel::pp::ScheduleKind;
 use wildfire_parallel::precision::{DynamicLossScaler, Precision};
 
 use crate::data::TokenizerKind;
-use crate::model::{GptConfig, Preset};
+use crate::model::{GptConfig, Llama3Scaling, ModelKind, Preset};
 
 /// The config `wildfire train` runs when given none.
 pub const DEFAULT_CONFIG: &str = include_str!("../configs/shakespeare-char.toml");
@@ -99,15 +99,27 @@ impl PrecisionSection {
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     pub preset: Option<Preset>,
+    /// `gpt` or `llama`; the preset's kind, or `gpt` without a preset.
+    pub kind: Option<ModelKind>,
     pub n_layer: Option<usize>,
     pub n_head: Option<usize>,
+    /// Defaults to `n_head` (no grouping), or a Llama preset's.
+    pub n_kv_head: Option<usize>,
     pub d_model: Option<usize>,
+    /// Defaults to 4·d_model for GPT; a Llama model needs it (or its preset's).
+    pub ffn_hidden: Option<usize>,
     pub context: Option<usize>,
     pub dropout: Option<f64>,
     pub bias: Option<bool>,
     pub tie_embeddings: Option<bool>,
     /// Defaults to the tokenizer's vocabulary; may be larger (padding, e.g. 50304 for GPT-2).
     pub vocab_size: Option<usize>,
+    /// RoPE's base θ (Llama); defaults to the preset's, or 10,000.
+    pub rope_theta: Option<f64>,
+    /// Llama 3.1's frequency scaling (a `[model.rope_scaling]` table); the preset's if absent.
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// The norms' ε; defaults to 1e-5.
+    pub norm_eps: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -220,7 +232,9 @@ pub struct RunSection {
     pub peak_flops: Option<f64>,
     /// Worker threads of the CPU backend; absent uses every core.
     pub threads: Option<usize>,
-    /// Start from Hugging Face GPT-2 weights: `hf:PATH/model.safetensors`.
+    /// Start from Hugging Face GPT-2 or Llama weights: `hf:DIR` (a model directory, whose
+    /// `config.json` gives the model's sizes), or `hf:FILE` (a `.safetensors` file or a
+    /// `model.safetensors.index.json`, the sizes from `[model]`).
     pub init_from: Option<String>,
 }
 
@@ -451,6 +465,39 @@ impl RunConfig {
     }
 }
 
+impl RunConfig {
+    /// The model's sizes: from the `config.json` of a Hugging Face model directory the run starts
+    /// from (`run.init_from = "hf:DIR"`), else as [`ModelSection::resolve`] gives them. From a
+    /// directory, only `model.context` (a shorter training sequence; Llama only, as GPT-2's
+    /// position embedding has the file's rows) and `model.dropout` are taken from the run's
+    /// config.
+    pub fn model(&self, vocab: usize) -> anyhow::Result<GptConfig> {
+        let dropout = self.model.dropout.unwrap_or(0.0);
+        let from_hf = match &self.run.init_from {
+            Some(source) => crate::hf::model_config(source, dropout)?,
+            None => None,
+        };
+        let Some(hf) = from_hf else {
+            return self.model.resolve(vocab);
+        };
+        if hf.vocab_size < vocab {
+            bail!(
+                "the Hugging Face model has {} tokens, fewer than the tokenizer's {vocab}",
+                hf.vocab_size
+            );
+        }
+        let context = self.model.context.unwrap_or(hf.context);
+        if context > hf.context || (hf.kind == ModelKind::Gpt && context != hf.context) {
+            bail!(
+                "model.context = {context} does not fit the Hugging Face {} model's {} positions",
+                hf.kind,
+                hf.context
+            );
+        }
+        Ok(GptConfig { context, ..hf })
+    }
+}
+
 impl ModelSection {
     /// The model's sizes: the preset's, overridden by every field given here. `vocab` is the
     /// tokenizer's vocabulary size, used unless `vocab_size` is set (it may only be larger).
@@ -465,11 +512,42 @@ impl ModelSection {
         if vocab_size < vocab {
             bail!("model.vocab_size = {vocab_size} is smaller than the tokenizer's {vocab} tokens");
         }
+        let kind = match (self.kind, &base) {
+            (Some(kind), Some(base)) if kind != base.kind => {
+                let preset = self.preset.expect("a base comes from a preset");
+                let name = clap::ValueEnum::to_possible_value(&preset).expect("presets are named");
+                bail!(
+                    "model.kind = \"{kind}\" contradicts model.preset = \"{}\", a {} model",
+                    name.get_name(),
+                    base.kind
+                )
+            }
+            (kind, base) => kind.or(base.as_ref().map(|b| b.kind)).unwrap_or_default(),
+        };
+        let llama = kind == ModelKind::Llama;
+        let n_head = pick(self.n_head, base.as_ref().map(|b| b.n_head), "n_head")?;
+        let d_model = pick(self.d_model, base.as_ref().map(|b| b.d_model), "d_model")?;
+        // GPT's derived sizes follow the sizes given; a Llama preset's are its own.
+        let llama_base = base.as_ref().filter(|_| llama);
+        let ffn_hidden = match llama {
+            true => pick(
+                self.ffn_hidden,
+                llama_base.map(|b| b.ffn_hidden),
+                "ffn_hidden",
+            )?,
+            false => self.ffn_hidden.unwrap_or(4 * d_model),
+        };
         let config = GptConfig {
+            kind,
             vocab_size,
             n_layer: pick(self.n_layer, base.as_ref().map(|b| b.n_layer), "n_layer")?,
-            n_head: pick(self.n_head, base.as_ref().map(|b| b.n_head), "n_head")?,
-            d_model: pick(self.d_model, base.as_ref().map(|b| b.d_model), "d_model")?,
+            n_head,
+            n_kv_head: self
+                .n_kv_head
+                .or(llama_base.map(|b| b.n_kv_head))
+                .unwrap_or(n_head),
+            d_model,
+            ffn_hidden,
             context: pick(self.context, base.as_ref().map(|b| b.context), "context")?,
             dropout: self
                 .dropout
@@ -480,6 +558,17 @@ impl ModelSection {
                 .tie_embeddings
                 .or(base.as_ref().map(|b| b.tie_embeddings))
                 .unwrap_or(true),
+            rope_theta: self
+                .rope_theta
+                .or(base.as_ref().map(|b| b.rope_theta))
+                .unwrap_or(10_000.0),
+            rope_scaling: self
+                .rope_scaling
+                .or(base.as_ref().and_then(|b| b.rope_scaling)),
+            norm_eps: self
+                .norm_eps
+                .or(base.as_ref().map(|b| b.norm_eps))
+                .unwrap_or(1e-5),
         };
         config.validate()?;
         Ok(config)

@@ -1,4 +1,7 @@
 //! Sampling text from a checkpoint: temperature, top-k, and a seed that makes it repeatable.
+//! Each new token runs the model on that token alone, against a key/value cache of the earlier
+//! positions ([`KvCache`]), until the text outgrows the model's context; from there each token
+//! runs the model on the latest `context` tokens, as generation without the cache does.
 
 use std::path::Path;
 use wildfire_backend::DecoratedBackend;
@@ -11,7 +14,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::checkpoint;
 use crate::data::{SplitMix64, Tokenizer, TokenizerKind};
-use crate::model::{Gpt, GptConfig, StageSpec};
+use crate::model::{Gpt, GptConfig, KvCache, StageSpec};
 
 /// How to sample.
 #[derive(Debug, Clone)]
@@ -22,6 +25,8 @@ pub struct Sampling {
     /// Keep only the `k` most likely tokens; `None` keeps all.
     pub top_k: Option<usize>,
     pub seed: u64,
+    /// Reuse earlier positions' keys and values (the same tokens, one position's work a step).
+    pub kv_cache: bool,
 }
 
 /// The model and tokenizer of the checkpoint `path` names (see [`checkpoint::resolve`]).
@@ -57,29 +62,44 @@ pub fn generate<B: DecoratedBackend>(
     if sampling.top_k == Some(0) {
         bail!("--top-k 0 leaves no token to sample");
     }
-    let mut tokens = tokenizer.encode(prompt)?;
+    let tokens = tokenizer.encode(prompt)?;
     if tokens.is_empty() {
         bail!("the prompt is empty; give at least one token of text");
     }
+    let tokens = continue_tokens(model, tokens, sampling, context, tokenizer.vocab_size())?;
+    Ok(tokenizer.decode(&tokens)?)
+}
+
+/// `tokens` and `sampling.max_new_tokens` more, never sampling an id from `known` on (a padded
+/// vocabulary's ids the tokenizer cannot decode).
+pub fn continue_tokens<B: DecoratedBackend>(
+    model: &Gpt<B>,
+    mut tokens: Vec<u32>,
+    sampling: &Sampling,
+    context: usize,
+    known: usize,
+) -> anyhow::Result<Vec<u32>> {
     let device = model.devices().into_iter().next().unwrap_or_default();
+    let input = |ids: &[u32]| {
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), [1, ids.len()]), &device)
+    };
     let mut rng = SplitMix64::new(sampling.seed);
+    let mut cache = KvCache::new(model);
     for _ in 0..sampling.max_new_tokens {
-        let window = &tokens[tokens.len().saturating_sub(context)..];
-        let input: Vec<i64> = window.iter().map(|&t| t as i64).collect();
-        let input =
-            Tensor::<B, 2, Int>::from_data(TensorData::new(input, [1, window.len()]), &device);
-        let logits = model.forward(input);
+        let logits = match sampling.kv_cache && tokens.len() <= context {
+            true => model.forward_cached(input(&tokens[cache.len()..]), &mut cache),
+            false => model.forward(input(&tokens[tokens.len().saturating_sub(context)..])),
+        };
         let [_, seq, vocab] = logits.dims();
         let last = aligned(logits.slice([0..1, seq - 1..seq, 0..vocab]).into_data());
         let logits: Vec<f32> = last
             .convert::<f32>()
             .to_vec()
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-        // A padded vocabulary has ids the tokenizer cannot decode: never sample them.
-        let known = &logits[..tokenizer.vocab_size().min(logits.len())];
-        tokens.push(pick(known, sampling, &mut rng) as u32);
+        tokens.push(pick(&logits[..known.min(logits.len())], sampling, &mut rng) as u32);
     }
-    Ok(tokenizer.decode(&tokens)?)
+    Ok(tokens)
 }
 
 /// One token from `logits`: greedy at temperature 0, else from softmax(logits / T) restricted
@@ -120,6 +140,7 @@ mod tests {
             temperature: 0.0,
             top_k: None,
             seed: 0,
+            kv_cache: true,
         };
         assert_eq!(pick(&logits, &greedy, &mut rng), 1);
         let top1 = Sampling {
@@ -141,6 +162,7 @@ mod tests {
             temperature: 2.0,
             top_k: Some(3),
             seed: 0,
+            kv_cache: true,
         };
         for _ in 0..200 {
             assert!([0, 1, 3].contains(&pick(&logits, &sampling, &mut rng)));

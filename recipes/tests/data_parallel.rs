@@ -73,36 +73,6 @@ fn dp_train(name: &str, accumulation: usize, extra: &[&str]) -> RunDir {
     dir
 }
 
-/// Losses at every step within 1e-6 relative, parameters after every step within `tolerance`
-/// (relative to each tensor's largest value; 0 asks for bitwise equality, losses included).
-fn assert_same_training(reference: &Path, run: &Path, what: &str, tolerance: f32) {
-    if tolerance == 0.0 {
-        assert_eq!(
-            series(reference, "train", "loss"),
-            series(run, "train", "loss"),
-            "{what}: losses"
-        );
-        assert_eq!(
-            params_by_step(reference),
-            params_by_step(run),
-            "{what}: parameters"
-        );
-        return;
-    }
-    assert_close_losses(
-        &series(reference, "train", "loss"),
-        &series(run, "train", "loss"),
-        1e-6,
-        what,
-    );
-    let worst = worst_over_checkpoints(reference, run, what, max_relative_difference);
-    println!(
-        "{what}: worst parameter difference {:e} at {}",
-        worst.0, worst.1
-    );
-    assert!(worst.0 <= tolerance, "{what}: {:e} at {}", worst.0, worst.1);
-}
-
 /// DDP over 2 and 4 thread ranks trains like serial training on the concatenated batch (the
 /// same global batch of 8 sequences: 4 micro-batches serially, 2 or 1 per rank); see the
 /// module doc for the tolerances.

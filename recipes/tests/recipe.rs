@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use crate::common::{CORPUS, run_dir};
+use crate::common::{CORPUS, python, run_dir};
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
@@ -90,29 +90,6 @@ fn losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
-fn python(script: &str, args: &[&str]) -> Option<Output> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/python")
-        .join(script);
-    let out = Command::new("python3").arg(path).args(args).output();
-    let missing = match out {
-        Ok(out) if out.status.code() == Some(2) => {
-            String::from_utf8_lossy(&out.stderr).into_owned()
-        }
-        Ok(out) => return Some(out),
-        Err(e) => format!("python3 is not runnable ({e})"),
-    };
-    // CI installs TensorBoard and sets this, so there a missing reader fails instead of skipping.
-    let required = std::env::var("WILDFIRE_REQUIRE_PYTHON_CHECKS").unwrap_or_default();
-    assert!(
-        !required.split(',').any(|s| s == script),
-        "{script} is required here: {}",
-        missing.trim()
-    );
-    println!("skipped: {script}: {}", missing.trim());
-    None
-}
-
 /// The default recipe for 200 steps: loss starts at ≈ ln(76) (76 distinct characters in the
 /// corpus; |Δ| < 0.1) and falls below 2.6 (averaged over the last 10 steps; a unigram model of
 /// the corpus sits at ≈ 3.3, so this needs the model to use its context). The event file holds
@@ -167,6 +144,7 @@ fn default_recipe_learns_and_logs_for_tensorboard() {
         "{first:?}"
     );
     assert_eq!(first, sample("7"), "same seed, same text");
+    crate::llama::assert_cache_generates_as_full_recompute(&dir);
 }
 
 /// 2N steps in one go against N steps, then a resume for N more: the same losses, bitwise. The
@@ -505,18 +483,17 @@ fn hf_import_then_export_is_bitwise() {
         let config = wildfire_recipes::model::GptConfig {
             vocab_size: vocab,
             n_layer: layers,
-            n_head: 4,
             d_model: d,
+            ffn_hidden: 4 * d,
             context,
-            dropout: 0.0,
-            bias: true,
             tie_embeddings: tied,
+            ..wildfire_recipes::model::Preset::Tiny.config(vocab)
         };
         let stage = wildfire_recipes::model::StageSpec::whole(&config);
         let model = wildfire_recipes::model::Gpt::<Flex>::new(&config, stage, &Default::default());
-        let model = wildfire_recipes::hf::import(model, &source).expect("import");
-        let out =
-            wildfire_recipes::hf::export(&model, &config, &dir.join("export")).expect("export");
+        let model = wildfire_recipes::hf::import(model, &config, &source).expect("import");
+        let export = dir.join("export");
+        let out = wildfire_recipes::hf::export(&model, &config, &export, u64::MAX).expect("export");
         let bytes = std::fs::read(&out).unwrap();
         let exported = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(
@@ -572,7 +549,8 @@ fn write_safetensors(path: &Path, tensors: &[(String, HostTensor)]) {
 
 /// `wildfire export --format hf-safetensors` writes a model that Hugging Face transformers
 /// loads as GPT2LMHeadModel and that computes the same logits (within 1e-4: PyTorch and the CPU
-/// backend sum in different orders). Skipped, saying so, when transformers is not installed.
+/// backend sum in different orders) and the same greedy continuation. Skipped, saying so, when
+/// transformers is not installed.
 #[test]
 fn export_loads_in_transformers_with_the_same_logits() {
     let dir = run_dir("export");
@@ -629,7 +607,7 @@ fn export_loads_in_transformers_with_the_same_logits() {
 
     let ids = [20usize, 47, 56, 57, 58, 1, 15, 47];
     let id_args: Vec<String> = ids.iter().map(usize::to_string).collect();
-    let mut args = vec![out_dir.to_str().unwrap()];
+    let mut args = vec![out_dir.to_str().unwrap(), "12"];
     args.extend(id_args.iter().map(String::as_str));
     let Some(check) = python("check_hf_export.py", &args) else {
         return;
@@ -639,9 +617,11 @@ fn export_loads_in_transformers_with_the_same_logits() {
         "transformers failed to load the export:\n{}",
         text(&check)
     );
-    let theirs: Vec<Vec<f64>> = serde_json::from_slice(&check.stdout).expect("logits JSON");
+    let theirs: Value = serde_json::from_slice(&check.stdout).expect("logits JSON");
+    let greedy: Vec<u32> = serde_json::from_value(theirs["greedy"].clone()).unwrap();
+    let theirs: Vec<Vec<f64>> = serde_json::from_value(theirs["logits"].clone()).unwrap();
 
-    let (model, _, _) =
+    let (model, _, config) =
         wildfire_recipes::generate::load_model::<CpuBackend>(&dir, &Default::default()).unwrap();
     let input: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
     let input = Tensor::<CpuBackend, 2, Int>::from_data(
@@ -659,4 +639,25 @@ fn export_loads_in_transformers_with_the_same_logits() {
             );
         }
     }
+    let sampling = wildfire_recipes::generate::Sampling {
+        max_new_tokens: greedy.len(),
+        temperature: 0.0,
+        top_k: None,
+        seed: 0,
+        kv_cache: true,
+    };
+    let prompt: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    let continued = wildfire_recipes::generate::continue_tokens(
+        &model,
+        prompt,
+        &sampling,
+        config.context,
+        vocab,
+    )
+    .unwrap();
+    assert_eq!(
+        &continued[ids.len()..],
+        greedy.as_slice(),
+        "greedy continuation"
+    );
 }

@@ -1,18 +1,23 @@
-//! GPT-2 modules: embeddings, pre-LayerNorm blocks (causal self-attention with a fused QKV
-//! projection, GELU(tanh) MLP of width 4d), final LayerNorm and LM head.
+//! The modules: embeddings, pre-norm blocks (causal self-attention, MLP), final norm and LM
+//! head, each with its GPT-2 and its Llama form ([`super::ModelKind`]):
 //!
-//! Parameter names follow Hugging Face's GPT-2 (`wte`, `wpe`, `ln_1`, `attn.c_attn`, `mlp.c_fc`,
-//! …) so that importing and exporting weights is a rename of the block prefix and of LayerNorm's
+//! | part | GPT-2 | Llama |
+//! |---|---|---|
+//! | norms (`ln_1`, `ln_2`, `ln_f`) | LayerNorm, `gamma` and `beta` | RMSNorm, `gamma` |
+//! | positions | learned, `embeddings.wpe` | rotary, on Q and K ([`super::rope`]) |
+//! | attention | fused `attn.c_attn` `[d, 3d]` | `attn.q_proj`, `k_proj`, `v_proj` (grouped) |
+//! | MLP | `c_proj(gelu(c_fc(x)))` | `c_proj(silu(gate(x)) ⊙ c_fc(x))` (SwiGLU) |
+//!
+//! Both share the output projection `attn.c_proj`, `mlp.c_fc` and `mlp.c_proj`. Parameter names
+//! follow Hugging Face's GPT-2 (`wte`, `wpe`, `ln_1`, `attn.c_attn`, `mlp.c_fc`, …) so that
+//! importing and exporting GPT-2 weights is a rename of the block prefix and of LayerNorm's
 //! gamma/beta. Linear weights are stored `[in, out]` (Burn's row layout, like GPT-2's Conv1D).
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{
-    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
-    LinearConfig,
-};
-use burn::tensor::activation::{log_softmax, softmax};
+use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LinearConfig};
+use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor};
+use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::DecoratedBackend;
 use wildfire_backend::comm::{CommError, split_ranges};
 use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
@@ -25,20 +30,22 @@ use wildfire_parallel::tp::{
     vocab_parallel_cross_entropy,
 };
 
-use super::{GptConfig, StageSpec};
+use super::rope::Rotary;
+use super::{GptConfig, ModelKind, StageSpec};
 
-/// Standard deviation of GPT-2's initialisation.
+/// Standard deviation of GPT-2's initialisation (Llama's too).
 const INIT_STD: f64 = 0.02;
-/// LayerNorm epsilon of GPT-2.
-const LN_EPS: f64 = 1e-5;
 
-/// The tensor-parallel plan of the GPT (Megatron-LM's): attention split by heads (the fused QKV
-/// projection column-parallel per section, so each rank gets the same heads of Q, K and V; the
-/// output projection row-parallel), the MLP column- then row-parallel, the vocabulary split in
-/// the token embedding and the LM head (and in a tied head's copy of the embedding), the
-/// LayerNorms in the sequence-parallel region (the sequence is dimension 1 of the residual
-/// stream, [`SEQUENCE_DIM`]). Everything else (the position embedding) is replicated. Applied by
-/// `wildfire_parallel::tp::apply_plan`, like any model's plan.
+/// The tensor-parallel plan of both model kinds (Megatron-LM's): attention split by heads (GPT's
+/// fused QKV projection column-parallel per section, so each rank gets the same heads of Q, K
+/// and V; Llama's Q, K and V projections each column-parallel, so a rank holds the key/value
+/// heads its query heads use; the output projection row-parallel), the MLP column- then
+/// row-parallel (Llama's gate as its `c_fc`), the vocabulary split in the token embedding and
+/// the LM head (and in a tied head's copy of the embedding), the norms in the
+/// sequence-parallel region (the sequence is dimension 1 of the residual stream,
+/// [`SEQUENCE_DIM`]). Everything else (GPT's position embedding) is replicated. Applied by
+/// `wildfire_parallel::tp::apply_plan`, like any model's plan; [`whole_model_rules`] picks the
+/// rules of one model.
 pub const TP_PLAN: &[(&str, TpStyle)] = &[
     ("embeddings.wte", TpStyle::VocabRows),
     ("blocks.*.ln_1", TpStyle::SequenceRegion),
@@ -49,8 +56,12 @@ pub const TP_PLAN: &[(&str, TpStyle)] = &[
             gather_output: false,
         },
     ),
+    ("blocks.*.attn.q_proj", TpStyle::COLUMN),
+    ("blocks.*.attn.k_proj", TpStyle::COLUMN),
+    ("blocks.*.attn.v_proj", TpStyle::COLUMN),
     ("blocks.*.attn.c_proj", TpStyle::Row),
     ("blocks.*.ln_2", TpStyle::SequenceRegion),
+    ("blocks.*.mlp.gate", TpStyle::COLUMN),
     ("blocks.*.mlp.c_fc", TpStyle::COLUMN),
     ("blocks.*.mlp.c_proj", TpStyle::Row),
     ("head.ln_f", TpStyle::SequenceRegion),
@@ -59,15 +70,19 @@ pub const TP_PLAN: &[(&str, TpStyle)] = &[
 ];
 
 /// [`TP_PLAN`]'s rules that name parameters of the whole model of `config`, the plan to split it
-/// by (before a pipeline split): without `head.wte`, the copy of the table a pipeline split
-/// gives a tied head on another stage (made from the already split table), and without
-/// `head.lm_head` where the head is tied.
+/// by (before a pipeline split): the rules of its kind's layers, without `head.wte`, the copy of
+/// the table a pipeline split gives a tied head on another stage (made from the already split
+/// table), and without `head.lm_head` where the head is tied.
 pub fn whole_model_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
+    let llama = config.kind == ModelKind::Llama;
     TP_PLAN
         .iter()
         .filter(|(path, _)| match *path {
             "head.wte" => false,
             "head.lm_head" => !config.tie_embeddings,
+            "blocks.*.attn.c_attn" => !llama,
+            "blocks.*.attn.q_proj" | "blocks.*.attn.k_proj" | "blocks.*.attn.v_proj" => llama,
+            "blocks.*.mlp.gate" => llama,
             _ => true,
         })
         .copied()
@@ -137,26 +152,54 @@ fn fused_bias_gelu<B: DecoratedBackend, const D: usize>(
     bias_gelu(y, bias)
 }
 
-/// Token and learned position embeddings, `h₀ = dropout(wte[x] + wpe[0..T])`.
+/// Token and (GPT) learned position embeddings, `h₀ = dropout(wte[x] + wpe[0..T])`.
 #[derive(Module, Debug)]
 pub struct Embeddings<B: Backend> {
     pub wte: ParallelEmbedding<B>,
-    pub wpe: Embedding<B>,
+    /// GPT's position embedding; Llama rotates Q and K instead.
+    pub wpe: Option<Embedding<B>>,
     pub dropout: Dropout,
 }
 
+/// LayerNorm (GPT) or RMSNorm (Llama) over the last dimension, computed in fp32:
+/// `(x − mean)/√(var + ε)·γ + β`, or `x/√(mean(x²) + ε)·γ`.
+#[derive(Module, Debug)]
+pub struct Norm<B: Backend> {
+    pub gamma: Param<Tensor<B, 1>>,
+    /// LayerNorm's shift (GPT with biases).
+    pub beta: Option<Param<Tensor<B, 1>>>,
+    /// RMSNorm rather than LayerNorm.
+    #[module(skip)]
+    pub rms: bool,
+    #[module(skip)]
+    pub eps: f64,
+}
+
 /// Causal multi-head self-attention: `softmax(QKᵀ/√d_head + M)V` per head, with M = −∞ above the
-/// diagonal, then the output projection.
+/// diagonal, then the output projection. Under grouped-query attention (Llama) query heads
+/// `g·j … g·j + g − 1` share key/value head `j`, `g = n_head / n_kv_head`.
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention<B: Backend> {
-    /// Fused Q, K, V projection, `[d, 3d]`.
-    pub c_attn: ParallelLinear<B>,
+    /// GPT's fused Q, K, V projection, `[d, 3d]`.
+    pub c_attn: Option<ParallelLinear<B>>,
+    /// Llama's query projection, `[d, d]`.
+    pub q_proj: Option<ParallelLinear<B>>,
+    /// Llama's key projection, `[d, n_kv_head·d_head]`.
+    pub k_proj: Option<ParallelLinear<B>>,
+    /// Llama's value projection, `[d, n_kv_head·d_head]`.
+    pub v_proj: Option<ParallelLinear<B>>,
     /// Output projection, `[d, d]` (a residual projection: scaled initialisation).
     pub c_proj: ParallelLinear<B>,
     pub attn_dropout: Dropout,
     pub resid_dropout: Dropout,
-    /// The model's heads (a tensor-parallel rank computes those of its columns of `c_attn`).
+    /// The model's heads (a tensor-parallel rank computes those of its columns of the Q, K, V
+    /// projections).
     pub n_head: usize,
+    /// The model's key/value heads.
+    pub n_kv_head: usize,
+    /// Llama's rotary embedding of Q and K.
+    #[module(skip)]
+    pub rotary: Option<Rotary>,
     /// Whether the attention core runs as one fused op with its fused backward
     /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops. It does only where
     /// `attn_dropout` is 0: the fused op has no dropout of the attention weights.
@@ -164,10 +207,14 @@ pub struct CausalSelfAttention<B: Backend> {
     pub fused: bool,
 }
 
-/// `c_proj(gelu_tanh(c_fc(x)))`, hidden width 4d.
+/// `c_proj(gelu_tanh(c_fc(x)))` (GPT, hidden width 4d), or SwiGLU
+/// `c_proj(silu(gate(x)) ⊙ c_fc(x))` (Llama; `c_fc` is Hugging Face's `up_proj`, `c_proj` its
+/// `down_proj`).
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     pub c_fc: ParallelLinear<B>,
+    /// SwiGLU's gate projection (Llama).
+    pub gate: Option<ParallelLinear<B>>,
     pub c_proj: ParallelLinear<B>,
     pub dropout: Dropout,
     /// Whether `c_fc`'s bias add and the GELU run as one fused op with its fused backward
@@ -176,12 +223,12 @@ pub struct Mlp<B: Backend> {
     pub fused: bool,
 }
 
-/// Pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+/// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
-    pub ln_1: LayerNorm<B>,
+    pub ln_1: Norm<B>,
     pub attn: CausalSelfAttention<B>,
-    pub ln_2: LayerNorm<B>,
+    pub ln_2: Norm<B>,
     pub mlp: Mlp<B>,
     /// Whether the LayerNorms run as one fused op with its fused backward
     /// (`wildfire_backend::kernels::layer_norm`) rather than as Burn's decomposed ops.
@@ -189,10 +236,10 @@ pub struct Block<B: Backend> {
     pub fused_norm: bool,
 }
 
-/// Final LayerNorm and, when embeddings are untied, the LM head `[d, V]`.
+/// Final norm and, when embeddings are untied, the LM head `[d, V]`.
 #[derive(Module, Debug)]
 pub struct Head<B: Backend> {
-    pub ln_f: LayerNorm<B>,
+    pub ln_f: Norm<B>,
     pub lm_head: Option<ParallelLinear<B>>,
     /// As [`Block::fused_norm`], for `ln_f`.
     #[module(skip)]
@@ -260,11 +307,16 @@ impl<B: Backend> ModuleVisitor<B> for DrawNow {
     }
 }
 
-fn layer_norm<B: Backend>(config: &GptConfig, device: &B::Device) -> LayerNorm<B> {
-    LayerNormConfig::new(config.d_model)
-        .with_epsilon(LN_EPS)
-        .with_bias(config.bias)
-        .init(device)
+/// A norm of `config`'s kind: γ = 1 and (LayerNorm with biases) β = 0.
+fn norm<B: Backend>(config: &GptConfig, device: &B::Device) -> Norm<B> {
+    let rms = config.kind == ModelKind::Llama;
+    let gamma = Tensor::ones([config.d_model], device);
+    Norm {
+        gamma: Param::from_tensor(gamma.clone()),
+        beta: (config.bias && !rms).then(|| Param::from_tensor(gamma.zeros_like())),
+        rms,
+        eps: config.norm_eps,
+    }
 }
 
 fn dropout(config: &GptConfig) -> Dropout {
@@ -275,23 +327,36 @@ impl<B: Backend> Block<B> {
     /// A block of a model with `config`. Residual projections get std
     /// 0.02/√(2·n_layer): each block adds two residual branches, so the residual stream's variance
     /// stays independent of depth.
-    fn new(config: &GptConfig, device: &B::Device) -> Self {
-        let d = config.d_model;
+    fn new(config: &GptConfig, rotary: Option<&Rotary>, device: &B::Device) -> Self {
+        let (d, d_kv, f, bias) = (
+            config.d_model,
+            config.kv_width(),
+            config.ffn_hidden,
+            config.bias,
+        );
         let resid_std = INIT_STD / ((2 * config.n_layer) as f64).sqrt();
+        let llama = config.kind == ModelKind::Llama;
+        let projection = |width| llama.then(|| linear([d, width], bias, INIT_STD, device));
         Self {
-            ln_1: layer_norm(config, device),
+            ln_1: norm(config, device),
             attn: CausalSelfAttention {
-                c_attn: linear([d, 3 * d], config.bias, INIT_STD, device),
-                c_proj: linear([d, d], config.bias, resid_std, device),
+                c_attn: (!llama).then(|| linear([d, 3 * d], bias, INIT_STD, device)),
+                q_proj: projection(d),
+                k_proj: projection(d_kv),
+                v_proj: projection(d_kv),
+                c_proj: linear([d, d], bias, resid_std, device),
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
                 n_head: config.n_head,
+                n_kv_head: config.n_kv_head,
+                rotary: rotary.cloned(),
                 fused: true,
             },
-            ln_2: layer_norm(config, device),
+            ln_2: norm(config, device),
             mlp: Mlp {
-                c_fc: linear([d, 4 * d], config.bias, INIT_STD, device),
-                c_proj: linear([4 * d, d], config.bias, resid_std, device),
+                gate: projection(f),
+                c_fc: linear([d, f], bias, INIT_STD, device),
+                c_proj: linear([f, d], bias, resid_std, device),
                 dropout: dropout(config),
                 fused: true,
             },
@@ -303,9 +368,9 @@ impl<B: Backend> Block<B> {
 impl<B: DecoratedBackend> Block<B> {
     /// `x: [batch, seq, d]` (under sequence parallelism this rank's part of the sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
-        let ln_1 = layer_norm_fp32(&self.ln_1, x.clone(), self.fused_norm);
+        let ln_1 = self.ln_1.forward(x.clone(), self.fused_norm);
         let x = x + self.attn.forward(ln_1, tp);
-        let ln_2 = layer_norm_fp32(&self.ln_2, x.clone(), self.fused_norm);
+        let ln_2 = self.ln_2.forward(x.clone(), self.fused_norm);
         x + self.mlp.forward(ln_2, tp)
     }
 }
@@ -314,17 +379,14 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
     /// the sequence in and out; the QKV projection gathers the whole sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
-        let qkv = self.c_attn.forward(x);
-        let [batch, seq, width] = qkv.dims();
+        let sections = self.sections(x, 0);
+        let [batch, seq, three_heads, d_head] = sections.dims();
         // This rank's heads: those of its columns of each of Q, K and V.
-        let d_head = self.c_proj.weight.dims()[1] / self.n_head;
-        let (d, heads) = (width / 3, width / 3 / d_head);
-        // `[batch, seq, 3·heads, d_head]` is the projection's own layout: Q, K and V are views
-        // of it (`unpack`; reshaping each third would copy), and the fused op takes it whole.
-        let sections = qkv.reshape([batch, seq, 3 * heads, d / heads]);
-        // A split projection gives this rank a contiguous range of the heads (the QKV columns
-        // are split per section, at head boundaries).
-        let (rank, size) = self.c_attn.tp.rank_and_size();
+        let heads = three_heads / 3;
+        let d = heads * d_head;
+        // A split projection gives this rank a contiguous range of the heads (the columns are
+        // split per section, at head boundaries).
+        let (rank, size) = self.c_proj.tp.rank_and_size();
         let head_part = (size > 1).then(|| ActivationPart {
             dim: 1,
             range: rank * heads..(rank + 1) * heads,
@@ -343,6 +405,68 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
         let part = tp.sequence_part(y.dims()[SEQUENCE_DIM]);
         dropout_part(&self.resid_dropout, y, part)
     }
+}
+
+impl<B: DecoratedBackend> CausalSelfAttention<B> {
+    /// Width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.c_proj.weight.dims()[1] / self.n_head
+    }
+
+    /// Q, K and V of `x` (at positions `start..`, which Llama's rotation needs) in the fused
+    /// QKV layout `[batch, seq, 3·heads, d_head]`, Q's heads, then K's, then V's.
+    pub fn sections(&self, x: Tensor<B, 3>, start: usize) -> Tensor<B, 4> {
+        let d_head = self.head_dim();
+        match &self.c_attn {
+            Some(c_attn) => {
+                let qkv = c_attn.forward(x);
+                let [batch, seq, width] = qkv.dims();
+                // `[batch, seq, 3·heads, d_head]` is the projection's own layout: Q, K and V
+                // are views of it (`unpack`; reshaping each third would copy), and the fused op
+                // takes it whole.
+                qkv.reshape([batch, seq, width / d_head, d_head])
+            }
+            None => self.grouped_sections(x, d_head, start),
+        }
+    }
+
+    /// Llama's [`Self::sections`]: projected, Q and K rotated, and each key/value head
+    /// repeated for the `g` query heads it serves (a rank's query heads use exactly its
+    /// key/value heads, as both are split in head order).
+    fn grouped_sections(&self, x: Tensor<B, 3>, d_head: usize, start: usize) -> Tensor<B, 4> {
+        let project = |layer: &Option<ParallelLinear<B>>| {
+            let y = layer
+                .as_ref()
+                .expect("Llama attention has Q, K, V projections");
+            let y = y.forward(x.clone());
+            let [batch, seq, width] = y.dims();
+            y.reshape([batch, seq, width / d_head, d_head])
+        };
+        let (q, k, v) = (
+            project(&self.q_proj),
+            project(&self.k_proj),
+            project(&self.v_proj),
+        );
+        let rotary = self
+            .rotary
+            .as_ref()
+            .expect("Llama attention has rotary tables");
+        let (q, k) = (rotary.apply(q, start), rotary.apply(k, start));
+        let group = self.n_head / self.n_kv_head;
+        Tensor::cat(vec![q, repeat_heads(k, group), repeat_heads(v, group)], 2)
+    }
+}
+
+/// `[batch, seq, kv_heads, d_head]` → `[batch, seq, kv_heads·g, d_head]`, head `j` repeated `g`
+/// times in place (one gather of whole heads).
+fn repeat_heads<B: Backend>(x: Tensor<B, 4>, g: usize) -> Tensor<B, 4> {
+    if g == 1 {
+        return x;
+    }
+    let heads = x.dims()[2];
+    let index: Vec<i64> = (0..heads * g).map(|h| (h / g) as i64).collect();
+    let index = Tensor::<B, 1, Int>::from_data(TensorData::new(index, [heads * g]), &x.device());
+    x.select(2, index)
 }
 
 /// `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq, d_head]` tensors, M = −∞ where the key
@@ -367,9 +491,10 @@ pub fn causal_attention<B: Backend>(
 
 impl<B: DecoratedBackend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
-        let hidden = match self.fused {
-            true => linear_gelu(&self.c_fc, x),
-            false => gelu_tanh(self.c_fc.forward(x)),
+        let hidden = match (&self.gate, self.fused) {
+            (Some(gate), _) => in_fp32(gate.forward(x.clone()), silu) * self.c_fc.forward(x),
+            (None, true) => linear_gelu(&self.c_fc, x),
+            (None, false) => gelu_tanh(self.c_fc.forward(x)),
         };
         let y = self.c_proj.forward(hidden);
         let part = tp.sequence_part(y.dims()[SEQUENCE_DIM]);
@@ -377,23 +502,26 @@ impl<B: DecoratedBackend> Mlp<B> {
     }
 }
 
-/// LayerNorm computed in fp32 (its fp32 parameters on the input cast up), returned in the
-/// input's type: its mean and variance lose too much in half precision. `fused`: as the fused
-/// op ([`fused_layer_norm`]), else as Burn's decomposed ops.
-fn layer_norm_fp32<B: DecoratedBackend>(
-    norm: &LayerNorm<B>,
-    x: Tensor<B, 3>,
-    fused: bool,
-) -> Tensor<B, 3> {
-    in_fp32(x, |x| match fused {
-        true => fused_layer_norm(
-            x,
-            norm.gamma.val(),
-            norm.beta.as_ref().map(Param::val),
-            LN_EPS,
-        ),
-        false => norm.forward(x),
-    })
+impl<B: DecoratedBackend> Norm<B> {
+    /// The norm computed in fp32 (its fp32 parameters on the input cast up), returned in the
+    /// input's type: its mean and variance lose too much in half precision. A LayerNorm runs as
+    /// the fused op ([`fused_layer_norm`]) when `fused`, else as Burn's LayerNorm op.
+    pub fn forward(&self, x: Tensor<B, 3>, fused: bool) -> Tensor<B, 3> {
+        let (gamma, beta) = (self.gamma.val(), self.beta.as_ref().map(Param::val));
+        in_fp32(x, |x| match (self.rms, fused) {
+            (true, _) => {
+                let mean_square = x.clone().square().mean_dim(2);
+                x / (mean_square + self.eps).sqrt() * gamma.unsqueeze()
+            }
+            (false, true) => fused_layer_norm(x, gamma, beta, self.eps),
+            (false, false) => Tensor::from_primitive(TensorPrimitive::Float(B::layer_norm(
+                x.into_primitive().tensor(),
+                gamma.into_primitive().tensor(),
+                beta.map(|b| b.into_primitive().tensor()),
+                self.eps,
+            ))),
+        })
+    }
 }
 
 /// GPT-2's GELU, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, in fp32 whatever `x`'s type
@@ -416,16 +544,23 @@ impl<B: Backend> Gpt<B> {
                 .with_initializer(normal.clone())
                 .init(device)
                 .into(),
-            wpe: EmbeddingConfig::new(config.context, config.d_model)
-                .with_initializer(normal.clone())
-                .init(device),
+            wpe: (config.position_rows() > 0).then(|| {
+                EmbeddingConfig::new(config.position_rows(), config.d_model)
+                    .with_initializer(normal.clone())
+                    .init(device)
+            }),
             dropout: dropout(config),
         });
+        let rotary = (config.kind == ModelKind::Llama).then(|| {
+            let head_dim = config.head_dim();
+            let scaling = config.rope_scaling.as_ref();
+            Rotary::new(head_dim, config.context, config.rope_theta, scaling)
+        });
         let blocks = (stage.first_block..stage.first_block + stage.n_blocks)
-            .map(|_| Block::new(config, device))
+            .map(|_| Block::new(config, rotary.as_ref(), device))
             .collect();
         let head = stage.head.then(|| Head {
-            ln_f: layer_norm(config, device),
+            ln_f: norm(config, device),
             lm_head: (!config.tie_embeddings)
                 .then(|| linear([config.d_model, config.vocab_size], false, INIT_STD, device)),
             wte: None,
@@ -519,16 +654,23 @@ impl<B: DecoratedBackend> Gpt<B> {
     /// Token ids `[batch, seq]` → residual stream `[batch, seq, d]` (under sequence parallelism,
     /// this rank's part of the sequence).
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_at(tokens, 0)
+    }
+
+    /// [`Self::embed`] of tokens at positions `start..` (generation with a cache).
+    pub fn embed_at(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
         let embeddings = self
             .embeddings
             .as_ref()
             .expect("embed() on a stage without embeddings");
         let [_, seq] = tokens.dims();
-        let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &tokens.device()).unsqueeze();
-        let x = in_dtype(
-            embeddings.wte.forward(tokens) + embeddings.wpe.forward(positions),
-            self.precision.compute_dtype(),
-        );
+        let device = tokens.device();
+        let mut x = embeddings.wte.forward(tokens);
+        if let Some(wpe) = &embeddings.wpe {
+            let positions = start as i64..(start + seq) as i64;
+            x = x + wpe.forward(Tensor::<B, 1, Int>::arange(positions, &device).unsqueeze());
+        }
+        let x = in_dtype(x, self.precision.compute_dtype());
         let x = self.tp.enter_sequence_region(x);
         let part = self.tp.sequence_part(x.dims()[SEQUENCE_DIM]);
         dropout_part(&embeddings.dropout, x, part)
@@ -548,7 +690,7 @@ impl<B: DecoratedBackend> Gpt<B> {
             .head
             .as_ref()
             .expect("logits() on a stage without the head");
-        let x = layer_norm_fp32(&head.ln_f, x, head.fused_norm);
+        let x = head.ln_f.forward(x, head.fused_norm);
         if let Some(lm_head) = &head.lm_head {
             return lm_head.forward(x);
         }

@@ -1,5 +1,10 @@
-//! The GPT-2 model: its configuration (with presets), the modules, and the numbers derived from
-//! a configuration (parameter count, FLOPs per token).
+//! The recipe's decoder-only transformer: its configuration (with presets), the modules, and the
+//! numbers derived from a configuration (parameter count, FLOPs per token).
+//!
+//! One model type covers both families the recipe trains, chosen by [`ModelKind`] (as
+//! Megatron-LM's GPT model covers Llama by switches): GPT-2 (LayerNorm, learned positions, GELU
+//! MLP, one fused QKV projection) and Llama (RMSNorm, rotary positions, SwiGLU MLP,
+//! grouped-query attention with separate Q, K and V projections, no biases).
 //!
 //! The model is written for the parallel layouts that follow it:
 //! - blocks carry their *global* index, so a pipeline stage holding blocks 4..8 names them
@@ -11,29 +16,61 @@
 
 mod chunks;
 mod gpt;
+mod kv_cache;
 pub mod params;
+pub mod rope;
 
 pub use chunks::{GptChunks, stage_specs};
 pub use gpt::{
     Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, SEQUENCE_DIM, TIED_COPY,
     TOKEN_EMBEDDING, TP_PLAN, causal_attention, cross_entropy_sum, gelu_tanh, whole_model_rules,
 };
+pub use kv_cache::KvCache;
 
 use serde::{Deserialize, Serialize};
 
-/// Sizes and switches of a GPT-2 style model.
+pub use rope::Llama3Scaling;
+
+/// The architecture family: which norm, position encoding, MLP and attention the blocks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// GPT-2: LayerNorm, learned position embedding, GELU(tanh) MLP, fused QKV projection.
+    #[default]
+    Gpt,
+    /// Llama: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention.
+    Llama,
+}
+
+impl std::fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ModelKind::Gpt => "gpt",
+            ModelKind::Llama => "llama",
+        })
+    }
+}
+
+/// Sizes and switches of the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GptConfig {
+    /// The architecture family.
+    pub kind: ModelKind,
     /// Tokens in the vocabulary (rows of the token embedding).
     pub vocab_size: usize,
     /// Transformer blocks.
     pub n_layer: usize,
     /// Attention heads per block; `d_model % n_head == 0`.
     pub n_head: usize,
+    /// Key/value heads (grouped-query attention, Llama): each serves `n_head / n_kv_head` query
+    /// heads. `n_head` for GPT.
+    pub n_kv_head: usize,
     /// Width of the residual stream.
     pub d_model: usize,
-    /// Longest sequence the position embedding covers.
+    /// Width of the MLP's hidden layer: 4·d_model for GPT-2, SwiGLU's width for Llama.
+    pub ffn_hidden: usize,
+    /// Longest sequence the model takes (the position embedding's rows; the RoPE tables).
     pub context: usize,
     /// Dropout probability on embeddings, attention weights and residual branches.
     pub dropout: f64,
@@ -41,37 +78,79 @@ pub struct GptConfig {
     pub bias: bool,
     /// The LM head reuses the token embedding matrix (GPT-2 does).
     pub tie_embeddings: bool,
+    /// RoPE's base θ (Llama).
+    pub rope_theta: f64,
+    /// Llama 3.1's long-context frequency scaling (Llama), if any.
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// The norms' ε (added to the variance, or to the mean square).
+    pub norm_eps: f64,
 }
 
-/// A named size. `tiny` is the CPU recipe's model; the others are GPT-2's published sizes.
+/// A named size. `tiny` and `llama-tiny` are CPU-sized; the others are GPT-2's and Llama 3's
+/// published shapes (the vocabulary is the tokenizer's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Preset {
-    /// 4 layers, 4 heads, 128 wide, context 128.
+    /// GPT: 4 layers, 4 heads, 128 wide, context 128.
     Tiny,
     /// GPT-2 small, 124M parameters.
     Gpt2,
     /// GPT-2 medium, 350M parameters.
     Gpt2Medium,
+    /// Llama: 4 layers, 4 heads sharing 2 key/value heads, 128 wide, SwiGLU 384 wide (the
+    /// block has the tiny GPT's 12·d² weights), context 128, untied head.
+    LlamaTiny,
+    /// Llama 3.2 1B: 16 layers, 32 heads, 8 key/value heads, 2048 wide, tied head, θ = 500,000,
+    /// llama3 scaling with factor 32; 1.24B parameters with Llama 3's 128,256 tokens.
+    Llama1b,
+    /// Llama 3.1 8B: 32 layers, 32 heads, 8 key/value heads, 4096 wide, untied head,
+    /// θ = 500,000, llama3 scaling with factor 8; 8.03B parameters with 128,256 tokens.
+    Llama8b,
 }
 
 impl Preset {
     /// The preset's sizes for a vocabulary of `vocab_size` tokens.
     pub fn config(self, vocab_size: usize) -> GptConfig {
-        let (n_layer, n_head, d_model, context) = match self {
-            Preset::Tiny => (4, 4, 128, 128),
-            Preset::Gpt2 => (12, 12, 768, 1024),
-            Preset::Gpt2Medium => (24, 16, 1024, 1024),
-        };
-        GptConfig {
+        let gpt = |n_layer, n_head, d_model: usize, context| GptConfig {
+            kind: ModelKind::Gpt,
             vocab_size,
             n_layer,
             n_head,
+            n_kv_head: n_head,
             d_model,
+            ffn_hidden: 4 * d_model,
             context,
             dropout: 0.0,
             bias: true,
             tie_embeddings: true,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            norm_eps: 1e-5,
+        };
+        let llama = |n_layer, (n_head, n_kv_head), d_model, ffn_hidden, context| GptConfig {
+            kind: ModelKind::Llama,
+            n_kv_head,
+            ffn_hidden,
+            bias: false,
+            tie_embeddings: false,
+            ..gpt(n_layer, n_head, d_model, context)
+        };
+        match self {
+            Preset::Tiny => gpt(4, 4, 128, 128),
+            Preset::Gpt2 => gpt(12, 12, 768, 1024),
+            Preset::Gpt2Medium => gpt(24, 16, 1024, 1024),
+            Preset::LlamaTiny => llama(4, (4, 2), 128, 384, 128),
+            Preset::Llama1b => GptConfig {
+                tie_embeddings: true,
+                rope_theta: 500_000.0,
+                rope_scaling: Some(Llama3Scaling::llama3(32.0)),
+                ..llama(16, (32, 8), 2048, 8192, 8192)
+            },
+            Preset::Llama8b => GptConfig {
+                rope_theta: 500_000.0,
+                rope_scaling: Some(Llama3Scaling::llama3(8.0)),
+                ..llama(32, (32, 8), 4096, 14336, 8192)
+            },
         }
     }
 }
@@ -85,6 +164,21 @@ pub enum ConfigError {
     Zero { field: &'static str },
     #[error("model.dropout = {0} is outside [0, 1)")]
     Dropout(f64),
+    #[error("model.n_head = {n_head} is not divisible by model.n_kv_head = {n_kv_head}")]
+    KvHeadsDoNotDivide { n_head: usize, n_kv_head: usize },
+    #[error(
+        "model.n_kv_head = {n_kv_head} differs from model.n_head = {n_head}: grouped-query \
+         attention needs model.kind = \"llama\""
+    )]
+    GroupedQueryInGpt { n_head: usize, n_kv_head: usize },
+    #[error("rotary embeddings need an even head width, and model.d_model / model.n_head = {0}")]
+    OddHeadWidth(usize),
+    #[error("model.rope_theta = {0} must be above 1")]
+    RopeTheta(f64),
+    #[error("{0}")]
+    RopeScaling(String),
+    #[error("model.norm_eps = {0} must be positive")]
+    NormEps(f64),
 }
 
 impl GptConfig {
@@ -94,7 +188,9 @@ impl GptConfig {
             ("vocab_size", self.vocab_size),
             ("n_layer", self.n_layer),
             ("n_head", self.n_head),
+            ("n_kv_head", self.n_kv_head),
             ("d_model", self.d_model),
+            ("ffn_hidden", self.ffn_hidden),
             ("context", self.context),
         ] {
             if value == 0 {
@@ -110,6 +206,27 @@ impl GptConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(ConfigError::Dropout(self.dropout));
         }
+        let (n_head, n_kv_head) = (self.n_head, self.n_kv_head);
+        if !n_head.is_multiple_of(n_kv_head) {
+            return Err(ConfigError::KvHeadsDoNotDivide { n_head, n_kv_head });
+        }
+        if self.kind == ModelKind::Gpt && n_kv_head != n_head {
+            return Err(ConfigError::GroupedQueryInGpt { n_head, n_kv_head });
+        }
+        if self.norm_eps.is_nan() || self.norm_eps <= 0.0 {
+            return Err(ConfigError::NormEps(self.norm_eps));
+        }
+        if self.kind == ModelKind::Llama {
+            if !self.head_dim().is_multiple_of(2) {
+                return Err(ConfigError::OddHeadWidth(self.head_dim()));
+            }
+            if self.rope_theta.is_nan() || self.rope_theta <= 1.0 {
+                return Err(ConfigError::RopeTheta(self.rope_theta));
+            }
+            if let Some(scaling) = &self.rope_scaling {
+                scaling.validate().map_err(ConfigError::RopeScaling)?;
+            }
+        }
         Ok(())
     }
 
@@ -118,22 +235,44 @@ impl GptConfig {
         self.d_model / self.n_head
     }
 
+    /// Width of the key and value projections: `n_kv_head · head_dim` (d without grouping).
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_head * self.head_dim()
+    }
+
     /// Parameters of the whole model, counting a tied embedding once.
     ///
-    /// Per block: LayerNorms 2·2d, QKV d·3d (+3d), output d·d (+d), MLP d·4d (+4d) and 4d·d (+d),
-    /// i.e. 12d² weights and 13d bias/norm entries with biases (2d without: the norms' gains). Plus embeddings
-    /// V·d + T·d, the final LayerNorm 2d (d without bias) and, untied, the head V·d.
+    /// Per block, with `d_kv` = [`Self::kv_width`] and `f` = `ffn_hidden`: Q and output
+    /// projections 2·d², K and V 2·d·d_kv, the MLP 2·d·f (GPT) or 3·d·f (SwiGLU's gate, up and
+    /// down), and with biases their d + 2·d_kv + d and f + d (2f + d gated) entries; two norms of
+    /// 2d (LayerNorm with a bias) or d. GPT-2 (d_kv = d, f = 4d) has 12d² weights per block.
+    /// Plus the token embedding V·d, GPT's position embedding T·d, the final norm and, untied,
+    /// the head V·d.
     pub fn parameter_count(&self) -> usize {
-        let d = self.d_model;
-        let norm = if self.bias { 2 * d } else { d };
-        let linear_biases = if self.bias { 9 * d } else { 0 };
-        let block = 12 * d * d + linear_biases + 2 * norm;
+        let (d, d_kv, f) = (self.d_model, self.kv_width(), self.ffn_hidden);
+        let gated = self.kind == ModelKind::Llama;
+        let norm = if self.bias && !gated { 2 * d } else { d };
+        let (mlp_matrices, mlp_biases) = if gated { (3, 2 * f + d) } else { (2, f + d) };
+        let linear_biases = if self.bias {
+            2 * d + 2 * d_kv + mlp_biases
+        } else {
+            0
+        };
+        let block = 2 * d * d + 2 * d * d_kv + mlp_matrices * d * f + linear_biases + 2 * norm;
         let head = if self.tie_embeddings {
             0
         } else {
             self.vocab_size * d
         };
-        self.n_layer * block + self.vocab_size * d + self.context * d + norm + head
+        self.n_layer * block + self.vocab_size * d + self.position_rows() * d + norm + head
+    }
+
+    /// Rows of the learned position embedding: `context` for GPT, none for Llama (rotary).
+    pub fn position_rows(&self) -> usize {
+        match self.kind {
+            ModelKind::Gpt => self.context,
+            ModelKind::Llama => 0,
+        }
     }
 
     /// Training FLOPs per token at sequence length `seq`: 6N + 12·L·H·d_head·T.
@@ -143,7 +282,7 @@ impl GptConfig {
     /// untied head has its own matrix (a tied one is the head's matmul). The second term is
     /// attention's QKᵀ and AV products, forward and backward, which N does not see.
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        let lookups = self.context
+        let lookups = self.position_rows()
             + if self.tie_embeddings {
                 0
             } else {

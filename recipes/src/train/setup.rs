@@ -213,7 +213,7 @@ fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<
             config.data.path.display()
         )
     })?;
-    let model = config.model.resolve(tokenizer.vocab_size())?;
+    let model = config.model(tokenizer.vocab_size())?;
     if let Some(loaded) = resumed {
         check_same_model(&loaded.state.model, &model)?;
     }
@@ -265,7 +265,7 @@ fn prepared_data(
         TokenizerKind::Char => Tokenizer::from_chars(&manifest.vocab),
         TokenizerKind::Gpt2 => Tokenizer::gpt2()?,
     };
-    let model = config.model.resolve(tokenizer.vocab_size())?;
+    let model = config.model(tokenizer.vocab_size())?;
     if let Some(loaded) = resumed {
         check_same_model(&loaded.state.model, &model)?;
     }
@@ -553,6 +553,14 @@ fn check_model_settings<B: TrainBackend>(
     dims: ParallelDims,
 ) -> anyhow::Result<()> {
     dims.check_tensor_parallel(model.n_head, model.context)?;
+    if !model.n_kv_head.is_multiple_of(dims.tp) {
+        bail!(
+            "model.n_kv_head = {} is not divisible by parallel.tp = {}: each rank holds whole \
+             key/value heads (replicating them across ranks is not supported)",
+            model.n_kv_head,
+            dims.tp
+        );
+    }
     let checkpointing = config.train.activation_checkpointing;
     if (checkpointing == ActivationCheckpointing::Selective) != B::RECOMPUTES_MEMORY_BOUND_OPS {
         bail!(
@@ -698,7 +706,7 @@ fn build_model<B: TrainBackend>(
         );
     let whole = match (resumed, &config.run.init_from) {
         (Some(loaded), _) => loaded.apply_params(whole)?,
-        (None, Some(source)) => crate::hf::init_from(whole, source)?,
+        (None, Some(source)) => crate::hf::init_from(whole, model_config, source)?,
         (None, None) if B::KIND != DeviceKind::Cpu => drawn_on_cpu(whole, model_config, config)?,
         (None, None) => whole,
     };
@@ -1017,11 +1025,16 @@ fn describe_run(
 ) {
     let (model, parallel) = (&data.model, &config.parallel);
     println!(
-        "training {} parameters ({} layers, {} heads, d_model {}, context {}) on {} train / {} \
-         val tokens, steps {}..{}",
+        "training a {} of {} parameters ({} layers, {} heads{}, d_model {}, context {}) on {} \
+         train / {} val tokens, steps {}..{}",
+        model.kind,
         model.parameter_count(),
         model.n_layer,
         model.n_head,
+        match model.n_kv_head == model.n_head {
+            true => String::new(),
+            false => format!(" sharing {} key/value heads", model.n_kv_head),
+        },
         model.d_model,
         model.context,
         data.train.len(),

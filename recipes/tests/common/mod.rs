@@ -396,6 +396,36 @@ fn max_scaled_difference(
     worst
 }
 
+/// Losses at every step within 1e-6 relative, parameters after every step within `tolerance`
+/// (relative to each tensor's largest value; 0 asks for bitwise equality, losses included).
+pub fn assert_same_training(reference: &Path, run: &Path, what: &str, tolerance: f32) {
+    if tolerance == 0.0 {
+        assert_eq!(
+            series(reference, "train", "loss"),
+            series(run, "train", "loss"),
+            "{what}: losses"
+        );
+        assert_eq!(
+            params_by_step(reference),
+            params_by_step(run),
+            "{what}: parameters"
+        );
+        return;
+    }
+    assert_close_losses(
+        &series(reference, "train", "loss"),
+        &series(run, "train", "loss"),
+        1e-6,
+        what,
+    );
+    let worst = worst_over_checkpoints(reference, run, what, max_relative_difference);
+    println!(
+        "{what}: worst parameter difference {:e} at {}",
+        worst.0, worst.1
+    );
+    assert!(worst.0 <= tolerance, "{what}: {:e} at {}", worst.0, worst.1);
+}
+
 /// `wildfire train` with the base arguments plus each case's flags fails before training (no
 /// metrics written), saying the case's message.
 pub fn assert_refused(name: &str, cases: &[(&[&str], &str)]) {
@@ -480,4 +510,27 @@ pub fn records_if_any(dir: &Path) -> usize {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .map(|t| t.lines().filter(|l| l.contains("\"train\"")).count())
         .unwrap_or(0)
+}
+
+pub fn python(script: &str, args: &[&str]) -> Option<Output> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(script);
+    let out = Command::new("python3").arg(path).args(args).output();
+    let missing = match out {
+        Ok(out) if out.status.code() == Some(2) => {
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        }
+        Ok(out) => return Some(out),
+        Err(e) => format!("python3 is not runnable ({e})"),
+    };
+    // CI installs TensorBoard and sets this, so there a missing reader fails instead of skipping.
+    let required = std::env::var("WILDFIRE_REQUIRE_PYTHON_CHECKS").unwrap_or_default();
+    assert!(
+        !required.split(',').any(|s| s == script),
+        "{script} is required here: {}",
+        missing.trim()
+    );
+    println!("skipped: {script}: {}", missing.trim());
+    None
 }
