@@ -53,7 +53,7 @@ impl std::fmt::Display for ModelKind {
 
 /// Sizes and switches of the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "StoredConfig")]
 pub struct GptConfig {
     /// The architecture family.
     pub kind: ModelKind,
@@ -84,6 +84,49 @@ pub struct GptConfig {
     pub rope_scaling: Option<Llama3Scaling>,
     /// The norms' ε (added to the variance, or to the mean square).
     pub norm_eps: f64,
+}
+
+/// A [`GptConfig`] as checkpoints store it: those written before the Llama kind existed lack
+/// its fields, and read as the GPT-2 they describe.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoredConfig {
+    #[serde(default)]
+    kind: ModelKind,
+    vocab_size: usize,
+    n_layer: usize,
+    n_head: usize,
+    n_kv_head: Option<usize>,
+    d_model: usize,
+    ffn_hidden: Option<usize>,
+    context: usize,
+    dropout: f64,
+    bias: bool,
+    tie_embeddings: bool,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Llama3Scaling>,
+    norm_eps: Option<f64>,
+}
+
+impl From<StoredConfig> for GptConfig {
+    fn from(stored: StoredConfig) -> Self {
+        Self {
+            kind: stored.kind,
+            vocab_size: stored.vocab_size,
+            n_layer: stored.n_layer,
+            n_head: stored.n_head,
+            n_kv_head: stored.n_kv_head.unwrap_or(stored.n_head),
+            d_model: stored.d_model,
+            ffn_hidden: stored.ffn_hidden.unwrap_or(4 * stored.d_model),
+            context: stored.context,
+            dropout: stored.dropout,
+            bias: stored.bias,
+            tie_embeddings: stored.tie_embeddings,
+            rope_theta: stored.rope_theta.unwrap_or(10_000.0),
+            rope_scaling: stored.rope_scaling,
+            norm_eps: stored.norm_eps.unwrap_or(1e-5),
+        }
+    }
 }
 
 /// A named size. `tiny` and `llama-tiny` are CPU-sized; the others are GPT-2's and Llama 3's
@@ -397,6 +440,21 @@ mod tests {
             "initial loss {mean}, ln 65 = {}",
             65f32.ln()
         );
+    }
+
+    /// A model stored before the Llama kind (no kind, heads, widths or RoPE fields) reads as
+    /// the GPT-2 it is; every field round-trips.
+    #[test]
+    fn stored_configs_of_either_age_read_back() {
+        let old = r#"{"vocab_size": 65, "n_layer": 4, "n_head": 4, "d_model": 128,
+            "context": 128, "dropout": 0.0, "bias": true, "tie_embeddings": true}"#;
+        let config: GptConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(config, Preset::Tiny.config(65));
+        for preset in [Preset::Tiny, Preset::Llama1b] {
+            let config = preset.config(100);
+            let json = serde_json::to_string(&config).unwrap();
+            assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), config);
+        }
     }
 
     #[test]
