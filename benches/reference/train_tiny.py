@@ -3,7 +3,10 @@
 with decay on matrices, global-norm clipping at 1.0. `--model tiny` (the default): 4 layers, 4
 heads, d_model 128, context 128, vocab 65, batch 16, on CPU. `--model gpt2`: GPT-2 124M (12
 layers, 12 heads, 768 wide, context 1024, vocab 50304), batch `--batch`, usually with
-`--device cuda --bf16` (autocast) and `--compile` (torch.compile). Prints one JSON line.
+`--device cuda --bf16` (autocast) and `--compile` (torch.compile). `--model llama-tiny`: the
+recipe's Llama of the tiny size (RMSNorm, rotary embeddings on rotate-half pairs, SwiGLU 384
+wide, 4 heads sharing 2 key/value heads, no biases, untied head), vocab 65, batch 16. Prints one
+JSON line.
 
 Usage: python3 train_tiny.py --threads N [--warmup W --steps S --model M --device D --batch B
                              --bf16 --compile]
@@ -42,6 +45,65 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, kv_heads, hidden, context, theta=10000.0):
+        super().__init__()
+        self.heads, self.kv_heads, self.d_head = heads, kv_heads, d // heads
+        self.ln_1 = nn.RMSNorm(d, eps=1e-5)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.d_head, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.d_head, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.ln_2 = nn.RMSNorm(d, eps=1e-5)
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+        half = self.d_head // 2
+        omega = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / self.d_head)
+        angles = torch.arange(context, dtype=torch.float64)[:, None] * omega[None, :]
+        angles = torch.cat([angles, angles], dim=1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def rotate(self, x):
+        t, half = x.shape[2], self.d_head // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos[:t] + rotated * self.sin[:t]
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln_1(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.d_head).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.d_head).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.d_head).transpose(1, 2)
+        q, k = self.rotate(q), self.rotate(k)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_head)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        y = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        h = self.ln_2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, context, d, layers, heads, kv_heads, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            LlamaBlock(d, heads, kv_heads, hidden, context) for _ in range(layers)
+        )
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class Gpt(nn.Module):
     def __init__(self, vocab, context, d, layers, heads):
         super().__init__()
@@ -62,7 +124,7 @@ def main():
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "gpt2", "llama-tiny"], default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--bf16", action="store_true", help="autocast the forward to bf16")
@@ -74,9 +136,13 @@ def main():
     vocab, context, d, layers, heads = {
         "tiny": (65, 128, 128, 4, 4),
         "gpt2": (50304, 1024, 768, 12, 12),
+        "llama-tiny": (65, 128, 128, 4, 4),
     }[args.model]
     batch = args.batch
-    model = Gpt(vocab, context, d, layers, heads).to(device)
+    if args.model == "llama-tiny":
+        model = Llama(vocab, context, d, layers, heads, kv_heads=2, hidden=384).to(device)
+    else:
+        model = Gpt(vocab, context, d, layers, heads).to(device)
     step_model = torch.compile(model) if args.compile else model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
