@@ -90,23 +90,14 @@ fn losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// The default recipe for 200 steps: loss starts at ≈ ln(76) (76 distinct characters in the
-/// corpus; |Δ| < 0.1) and falls below 2.6 (averaged over the last 10 steps; a unigram model of
-/// the corpus sits at ≈ 3.3, so this needs the model to use its context). The event file holds
+/// The default recipe for 200 steps learns ([`crate::common::assert_learns_the_corpus`]:
+/// from ≈ ln(76) to a mean below 2.6 over the last 10 steps). The event file holds
 /// the same numbers for TensorBoard's reader, and generation from the checkpoint is repeatable.
 #[test]
 fn default_recipe_learns_and_logs_for_tensorboard() {
     let dir = run_dir("default");
     let out = train(&dir, &["train.max_steps=200", "run.log_every=50"], false);
-    let losses = losses(&dir);
-    assert_eq!(losses.len(), 200);
-    assert!(
-        (losses[0] - 76f64.ln()).abs() < 0.1,
-        "step 0 loss {}",
-        losses[0]
-    );
-    let tail = losses[190..].iter().sum::<f64>() / 10.0;
-    assert!(tail < 2.6, "mean loss of steps 190..200 is {tail}");
+    crate::common::assert_learns_the_corpus(&losses(&dir));
     assert!(text(&out).contains("step 50/200 | "), "{}", text(&out));
     let evals = metrics(&dir, "eval");
     assert_eq!(evals.len(), 1, "the last step evaluates");

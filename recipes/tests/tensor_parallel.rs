@@ -54,26 +54,13 @@ const VOCAB: [&str; 2] = ["--set", "model.vocab_size=77"];
 /// The base arguments, the uneven vocabulary and `extra`, keeping every step's checkpoint.
 /// `--microbatches N` in `extra` replaces the base arguments' 4.
 fn tp_args(dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args = base_args(dir);
-    let mut extra = extra.to_vec();
-    if let Some(at) = extra.iter().position(|a| *a == "--microbatches") {
-        // base_args starts with `train --microbatches 4`.
-        args[2] = extra[at + 1].to_string();
-        extra.drain(at..at + 2);
-    }
-    args.extend(
-        VOCAB
-            .iter()
-            .chain(&[
-                "--set",
-                "checkpoint.every=1",
-                "--set",
-                "checkpoint.keep_last=0",
-            ])
-            .chain(&extra)
-            .map(|s| s.to_string()),
-    );
-    args
+    let keep_every_step = [
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep_last=0",
+    ];
+    base_args_with(dir, &[&VOCAB[..], &keep_every_step, extra].concat())
 }
 
 /// A serial run (one process) with `extra`.

@@ -80,6 +80,34 @@ pub fn base_args(dir: &Path) -> Vec<String> {
     args
 }
 
+/// [`base_args`] followed by `extra`, where a `--microbatches N` in `extra` replaces the base
+/// arguments' 4 instead of following them.
+pub fn base_args_with(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = base_args(dir);
+    let mut extra = extra.to_vec();
+    if let Some(at) = extra.iter().position(|a| *a == "--microbatches") {
+        // base_args starts with `train --microbatches 4`.
+        args[2] = extra[at + 1].to_string();
+        extra.drain(at..at + 2);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// The default recipe's learning curve over 200 steps: the first loss within 0.1 of ln(76)
+/// (76 distinct characters in the corpus) and the mean of steps 190..200 below 2.6 (a unigram
+/// model of the corpus sits at ≈ 3.3, so this needs the model to use its context).
+pub fn assert_learns_the_corpus(losses: &[f64]) {
+    assert_eq!(losses.len(), 200);
+    assert!(
+        (losses[0] - 76f64.ln()).abs() < 0.1,
+        "step 0 loss {}",
+        losses[0]
+    );
+    let tail = losses[190..].iter().sum::<f64>() / 10.0;
+    assert!(tail < 2.6, "mean loss of steps 190..200 is {tail}");
+}
+
 /// Runs `command` to completion or kills it at `limit`; returns its output.
 pub fn finish(mut child: Child, limit: Duration) -> Output {
     let started = Instant::now();
