@@ -7,7 +7,8 @@
 //! of their native loops on Flex; with `--wgpu`, so does wildfire on `Parallel<Wgpu>` (Mesa's
 //! lavapipe on a machine without a GPU, its threads set by `LP_NUM_THREADS`); with `--llama`,
 //! so does the Llama model of the same size (`llama-tiny`: the same 12·d² weights per block,
-//! SwiGLU, rotary embeddings, grouped-query attention, untied head).
+//! SwiGLU, rotary embeddings, grouped-query attention, untied head), and with `--pytorch` too
+//! PyTorch eager's llama-tiny (`train_tiny.py --model llama-tiny`).
 
 use crate::median;
 use std::path::Path;
@@ -203,6 +204,8 @@ fn last_json_line(output: std::process::Output, what: &str) -> anyhow::Result<Sa
 const WILDFIRE_REFERENCE_OPS: &str = "wildfire-reference-ops";
 /// The name of wildfire's runs of llama-tiny.
 const WILDFIRE_LLAMA: &str = "wildfire-llama";
+/// The name of PyTorch's runs of llama-tiny.
+const PYTORCH_LLAMA: &str = "pytorch-llama";
 
 /// What a worker process runs: wildfire on the CPU, with the fused ops' reference in Burn ops
 /// in place of their native loops, on wgpu, or llama-tiny on the CPU.
@@ -254,7 +257,8 @@ fn run_wildfire(threads: usize, steps: usize, variant: Variant) -> anyhow::Resul
     Ok(sample)
 }
 
-fn run_pytorch(threads: usize, steps: usize) -> anyhow::Result<Sample> {
+/// The PyTorch eager reference's sample of `model` (`tiny` or `llama-tiny`), named `system`.
+fn run_pytorch(threads: usize, steps: usize, model: &str, system: &str) -> anyhow::Result<Sample> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("reference/train_tiny.py");
     let output = Command::new("python3")
         .arg(&script)
@@ -265,11 +269,13 @@ fn run_pytorch(threads: usize, steps: usize) -> anyhow::Result<Sample> {
             &steps.to_string(),
             "--warmup",
             "3",
+            "--model",
+            model,
         ])
         .output()
         .context("running python3 (is it installed?)")?;
     let mut sample = last_json_line(output, "PyTorch reference")?;
-    sample.system = "pytorch".into();
+    sample.system = system.into();
     Ok(sample)
 }
 
@@ -288,8 +294,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 emit(&sample, round, args.json)?;
                 samples.push(sample);
             }
-            if args.pytorch {
-                let sample = run_pytorch(threads, args.steps.into())?;
+            let references = [
+                args.pytorch.then_some(("tiny", "pytorch")),
+                (args.pytorch && args.llama).then_some(("llama-tiny", PYTORCH_LLAMA)),
+            ];
+            for (model, system) in references.into_iter().flatten() {
+                let sample = run_pytorch(threads, args.steps.into(), model, system)?;
                 emit(&sample, round, args.json)?;
                 samples.push(sample);
             }
@@ -348,6 +358,14 @@ fn summarise(samples: &[Sample], args: &TrainArgs) {
                  ratio {:.3}",
                 llama / ours
             );
+            if args.pytorch {
+                let theirs = median_tokens_per_sec(samples, PYTORCH_LLAMA, threads);
+                println!(
+                    "threads {threads}: llama-tiny: wildfire {llama:.0} tok/s, PyTorch \
+                     {theirs:.0} tok/s, ratio {:.2}",
+                    llama / theirs
+                );
+            }
         }
         if args.reference_ops {
             let reference = median_tokens_per_sec(samples, WILDFIRE_REFERENCE_OPS, threads);

@@ -52,8 +52,9 @@ pub struct PrepareArgs {
     /// The directory to write; it must not exist yet.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    #[arg(long, value_parser = ["char", "gpt2"], default_value = "gpt2")]
-    pub tokenizer: String,
+    /// char, gpt2, or hf:PATH (a Hugging Face tokenizer.json, or a model directory holding one).
+    #[arg(long, default_value = "gpt2", value_name = "char|gpt2|hf:PATH", value_parser = data::TokenizerKind::parse_flag)]
+    pub tokenizer: (data::TokenizerKind, Option<PathBuf>),
     /// Fraction of the documents held out for validation (drawn per document from --seed).
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
@@ -97,6 +98,10 @@ pub struct TrainArgs {
     /// or `hf:FILE` (.safetensors or index; sizes from the config) (sets run.init_from).
     #[arg(long, value_name = "hf:PATH")]
     pub init_from: Option<String>,
+    /// The tokenizer: char, gpt2, or hf:PATH (a Hugging Face tokenizer.json, or a model
+    /// directory holding one) (sets data.tokenizer and data.tokenizer_file).
+    #[arg(long, value_name = "char|gpt2|hf:PATH", value_parser = data::TokenizerKind::parse_flag)]
+    pub tokenizer: Option<(data::TokenizerKind, Option<PathBuf>)>,
     /// Data-parallel ranks (sets parallel.dp).
     #[arg(long)]
     pub dp: Option<usize>,
@@ -173,6 +178,13 @@ impl TrainArgs {
             "data.path",
             self.data.as_ref().map(|p| quoted(&p.display().to_string())),
         );
+        if let Some((kind, file)) = &self.tokenizer {
+            set("data.tokenizer", Some(quoted(&kind.to_string())));
+            set(
+                "data.tokenizer_file",
+                file.as_ref().map(|p| quoted(&p.display().to_string())),
+            );
+        }
         set("parallel.dp", self.dp.map(|n| n.to_string()));
         set("parallel.zero", self.zero.map(|n| n.to_string()));
         set("parallel.bucket_mb", self.bucket_mb.map(|n| n.to_string()));
@@ -226,8 +238,17 @@ impl TrainArgs {
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     /// A checkpoint directory, or a run directory (its newest checkpoint is used).
-    #[arg(long)]
-    pub checkpoint: PathBuf,
+    #[arg(
+        long,
+        required_unless_present = "init_from",
+        conflicts_with = "init_from"
+    )]
+    pub checkpoint: Option<PathBuf>,
+    /// Hugging Face weights instead of a checkpoint: `hf:DIR`, a GPT-2 or Llama model directory
+    /// (sizes from its config.json; tokenizer from its tokenizer.json, or GPT-2's own for a GPT-2
+    /// of 50,257 tokens without one).
+    #[arg(long, value_name = "hf:DIR")]
+    pub init_from: Option<String>,
     #[arg(long, default_value = "\n")]
     pub prompt: String,
     #[arg(long, default_value_t = 500)]
@@ -252,7 +273,8 @@ pub struct GenerateArgs {
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum ExportFormat {
     /// Hugging Face GPT2LMHeadModel or LlamaForCausalLM: safetensors (one file, or shards and
-    /// model.safetensors.index.json) + config.json.
+    /// model.safetensors.index.json) + config.json, and the run's tokenizer.json when it
+    /// trained with a Hugging Face tokenizer.
     HfSafetensors,
 }
 
@@ -396,10 +418,8 @@ fn run_prepare(args: PrepareArgs) -> anyhow::Result<i32> {
     let options = data::PrepareOptions {
         inputs: args.inputs,
         out: args.out,
-        tokenizer: match args.tokenizer.as_str() {
-            "char" => data::TokenizerKind::Char,
-            _ => data::TokenizerKind::Gpt2,
-        },
+        tokenizer: args.tokenizer.0,
+        tokenizer_file: args.tokenizer.1,
         val_fraction: args.val_fraction,
         seed: args.seed,
         text_field: args.text_field,
@@ -458,7 +478,11 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<i32> {
         fn run<B: DeviceBackend>(self) -> anyhow::Result<String> {
             let args = self.0;
             let device = process_device::<B>(args.device)?;
-            let (model, tokenizer, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
+            let (model, tokenizer, config) = match (&args.checkpoint, &args.init_from) {
+                (_, Some(source)) => generate::load_hugging_face::<B>(source, &device)?,
+                (Some(checkpoint), None) => generate::load_model::<B>(checkpoint, &device)?,
+                (None, None) => bail!("give --checkpoint or --init-from"),
+            };
             let sampling = generate::Sampling {
                 max_new_tokens: args.max_new_tokens,
                 temperature: args.temperature,
@@ -507,16 +531,19 @@ fn run_export(args: ExportArgs) -> anyhow::Result<i32> {
         fn run<B: DeviceBackend>(self) -> anyhow::Result<PathBuf> {
             let args = self.0;
             let device = process_device::<B>(args.device)?;
-            let (model, _, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
+            let (model, tokenizer, config) = generate::load_model::<B>(&args.checkpoint, &device)?;
             match args.format {
                 ExportFormat::HfSafetensors => {
-                    hf::export(&model, &config, &args.out, args.max_shard_size)
+                    hf::export(&model, &config, &tokenizer, &args.out, args.max_shard_size)
                 }
             }
         }
     }
     let path = on_device(args.device.kind, Export(args))?;
-    println!("wrote {} (and config.json beside it)", path.display());
+    println!(
+        "wrote {} (and config.json beside it, with tokenizer.json for a Hugging Face tokenizer)",
+        path.display()
+    );
     Ok(0)
 }
 

@@ -13,7 +13,7 @@ use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
 use wildfire_parallel::precision::{DynamicLossScaler, Precision};
 
-use crate::data::TokenizerKind;
+use crate::data::{TokenizerKind, tokenizer_json};
 use crate::model::{GptConfig, Llama3Scaling, ModelKind, Preset};
 
 /// The config `wildfire train` runs when given none.
@@ -128,6 +128,10 @@ pub struct DataSection {
     /// A text file, or a directory whose files are read in path order.
     pub path: PathBuf,
     pub tokenizer: TokenizerKind,
+    /// The `tokenizer.json` of `tokenizer = "hf"` (a file, or a model directory holding one);
+    /// defaults to the one beside the weights of `run.init_from = "hf:DIR"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_file: Option<PathBuf>,
     /// Fraction of the tokens, at the end of the corpus, held out for validation.
     pub val_fraction: f64,
 }
@@ -443,6 +447,17 @@ impl RunConfig {
                 train.eval_every
             );
         }
+        if let (Some(file), false) = (
+            &self.data.tokenizer_file,
+            self.data.tokenizer == TokenizerKind::Hf,
+        ) {
+            bail!(
+                "data.tokenizer_file = {} is a Hugging Face tokenizer, but data.tokenizer = \"{}\": \
+                 set data.tokenizer = \"hf\" to use it",
+                file.display(),
+                self.data.tokenizer
+            );
+        }
         if let Some(peak) = self.run.peak_flops.filter(|p| !(*p > 0.0 && p.is_finite())) {
             bail!("run.peak_flops = {peak} must be a positive number of FLOP/s");
         }
@@ -495,6 +510,28 @@ impl RunConfig {
             );
         }
         Ok(GptConfig { context, ..hf })
+    }
+}
+
+impl RunConfig {
+    /// The `tokenizer.json` of a `data.tokenizer = "hf"` run: `data.tokenizer_file`, else the
+    /// one in the model directory of `run.init_from = "hf:DIR"`.
+    pub fn tokenizer_file(&self) -> anyhow::Result<PathBuf> {
+        if let Some(path) = &self.data.tokenizer_file {
+            return Ok(tokenizer_json(path));
+        }
+        let init_dir = (self.run.init_from.as_deref())
+            .and_then(|source| source.strip_prefix("hf:"))
+            .map(Path::new)
+            .filter(|path| path.is_dir());
+        match init_dir.map(tokenizer_json) {
+            Some(path) if path.exists() => Ok(path),
+            _ => bail!(
+                "data.tokenizer = \"hf\" needs a tokenizer.json: set data.tokenizer_file (or \
+                 --tokenizer hf:PATH), or start from run.init_from = \"hf:DIR\" with a \
+                 DIR/tokenizer.json"
+            ),
+        }
     }
 }
 

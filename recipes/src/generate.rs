@@ -7,14 +7,14 @@ use std::path::Path;
 use wildfire_backend::DecoratedBackend;
 use wildfire_backend::host_data::aligned;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::checkpoint;
-use crate::data::{SplitMix64, Tokenizer, TokenizerKind};
+use crate::data::{SplitMix64, Tokenizer};
 use crate::model::{Gpt, GptConfig, KvCache, StageSpec};
+use crate::{checkpoint, hf};
 
 /// How to sample.
 #[derive(Debug, Clone)]
@@ -38,11 +38,32 @@ pub fn load_model<B: Backend>(
     let config = loaded.state.model.clone();
     let model = Gpt::<B>::new(&config, StageSpec::whole(&config), device);
     let model = loaded.apply_params(model)?;
-    let tokenizer = match loaded.state.tokenizer {
-        TokenizerKind::Char => Tokenizer::from_chars(&loaded.state.vocab),
-        TokenizerKind::Gpt2 => Tokenizer::gpt2()?,
-    };
+    let tokenizer = Tokenizer::stored(loaded.state.tokenizer, &loaded.state.vocab)?;
     Ok((model, tokenizer, config))
+}
+
+/// The model and tokenizer of the Hugging Face model directory `source` names (`hf:DIR`):
+/// sizes from its `config.json`, tokenizer as [`hf::tokenizer`] finds it.
+pub fn load_hugging_face<B: Backend>(
+    source: &str,
+    device: &B::Device,
+) -> anyhow::Result<(Gpt<B>, Tokenizer, GptConfig)> {
+    let config = hf::model_config(source, 0.0)?.with_context(|| {
+        format!(
+            "--init-from {source}: generation reads the sizes from a model directory's \
+             config.json; name the directory"
+        )
+    })?;
+    let tokenizer = hf::tokenizer(hf::source_path(source)?, &config)?;
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "{source}: the tokenizer has {} tokens, the model only {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        );
+    }
+    let model = Gpt::<B>::new(&config, StageSpec::whole(&config), device);
+    Ok((hf::init_from(model, &config, source)?, tokenizer, config))
 }
 
 /// Continues `prompt` by `sampling.max_new_tokens` tokens; returns prompt + continuation.

@@ -11,11 +11,12 @@
 use burn::backend::Flex;
 use burn::module::{Module, Param};
 use burn::tensor::{Int, Tensor, TensorData};
-use wildfire_recipes::CpuBackend;
+use wildfire_recipes::data::TokenizerKind;
 use wildfire_recipes::generate::{Sampling, continue_tokens, load_model};
 use wildfire_recipes::hf::{self, files, names};
 use wildfire_recipes::model::params::collect_params;
 use wildfire_recipes::model::{Gpt, GptConfig, ModelKind, Preset, StageSpec};
+use wildfire_recipes::{CpuBackend, checkpoint};
 
 use crate::common::*;
 
@@ -242,6 +243,82 @@ fn llama_hugging_face_weights_round_trip() {
         greedy.as_slice(),
         "greedy continuation"
     );
+}
+
+/// `wildfire` with `args`; its standard output (the run must succeed).
+fn wildfire(args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// llama-tiny with a Hugging Face tokenizer (a Llama-3-style tokenizer.json of 512 ids): the
+/// checkpoint carries the tokenizer, so generation needs no file once trained; export writes it
+/// beside the weights, and `generate --init-from hf:DIR` from the export continues a prompt as
+/// the checkpoint does. Without a tokenizer.json the export of a model that is not GPT-2 is
+/// refused, naming the directory.
+#[test]
+fn llama_with_a_hugging_face_tokenizer_trains_exports_and_generates() {
+    let tokenizer_dir = run_dir("llama-tokenizer-json");
+    let json = std::fs::read_to_string(llama3_style_tokenizer(&tokenizer_dir, 512)).unwrap();
+    let flag = format!("hf:{}", tokenizer_dir.display());
+    let trained = llama_run("llama-hf-tokenizer", &["--tokenizer", &flag]);
+    drop(tokenizer_dir);
+    let loaded = checkpoint::load(&checkpoint::resolve(&trained).unwrap()).unwrap();
+    assert_eq!(loaded.state.tokenizer, TokenizerKind::Hf);
+    assert_eq!(
+        loaded.state.vocab, json,
+        "the checkpoint keeps the tokenizer.json"
+    );
+    assert_eq!(loaded.state.model.vocab_size, 512);
+
+    let trained_dir = trained.to_str().unwrap();
+    let greedy = [
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        "0",
+    ];
+    let from_checkpoint =
+        wildfire(&[&["generate", "--checkpoint", trained_dir], &greedy[..]].concat());
+    assert!(
+        from_checkpoint.starts_with("ROMEO:") && from_checkpoint.len() > 20,
+        "{from_checkpoint:?}"
+    );
+
+    let export = trained.join("hf");
+    let export_dir = export.to_str().unwrap();
+    wildfire(&[
+        "export",
+        "--format",
+        "hf-safetensors",
+        "--checkpoint",
+        trained_dir,
+        "--out",
+        export_dir,
+    ]);
+    let exported = std::fs::read_to_string(export.join("tokenizer.json")).unwrap();
+    assert_eq!(exported, json, "the export's tokenizer.json");
+    let source = format!("hf:{export_dir}");
+    let from_export = wildfire(&[&["generate", "--init-from", &source], &greedy[..]].concat());
+    assert_eq!(
+        from_export, from_checkpoint,
+        "from the export and from the checkpoint"
+    );
+
+    std::fs::remove_file(export.join("tokenizer.json")).unwrap();
+    let args: Vec<String> = [&["generate", "--init-from", &source], &greedy[..]]
+        .concat()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(!out.status.success());
+    let expected = format!("{export_dir} has no tokenizer.json, and its llama of 512 tokens");
+    assert!(text(&out).contains(&expected), "{}", text(&out));
 }
 
 /// DDP (4 thread ranks, one micro-batch each) and a 2-stage pipeline (1F1B, thread ranks)

@@ -17,3 +17,4 @@ mod precision;
 mod prepare;
 mod recipe;
 mod tensor_parallel;
+mod tokenizer;

@@ -1,5 +1,5 @@
-//! `wildfire prepare` and training on prepared data: the shards decode back to the input, do not
-//! depend on the number of threads, refuse bad input without leaving anything behind, and a
+//! `wildfire prepare` and training on prepared data: the shards decode back to the input (with
+//! each kind of tokenizer), do not depend on the number of threads, refuse bad input without leaving anything behind, and a
 //! run on them resumes bitwise and refuses other data.
 
 use std::collections::BTreeMap;
@@ -9,7 +9,7 @@ use wildfire_recipes::data::{
     PrepareOptions, Prepared, Sampler, Split, TokenDtype, Tokenizer, TokenizerKind, Tokens, prepare,
 };
 
-use crate::common::{LIMIT, finish, run_dir, spawn, text};
+use crate::common::{LIMIT, finish, llama3_style_tokenizer, run_dir, spawn, text};
 
 /// A small corpus of three text files (one in a subdirectory) and a JSON-lines file of four
 /// documents, in `dir/input`.
@@ -54,6 +54,7 @@ fn options(input: &Path, out: &Path, tokenizer: TokenizerKind) -> PrepareOptions
         inputs: vec![input.to_path_buf()],
         out: out.to_path_buf(),
         tokenizer,
+        tokenizer_file: None,
         val_fraction: 0.3,
         seed: 5,
         text_field: "text".into(),
@@ -102,9 +103,11 @@ fn prepared_shards_decode_to_the_input_whatever_the_threads() {
     let dir = run_dir("prepare-decode");
     let input = corpus(&dir);
     let expected = documents(&input);
-    for (kind, end_of_text) in [
-        (TokenizerKind::Char, "\u{3}"),
-        (TokenizerKind::Gpt2, "<|endoftext|>"),
+    let hf = llama3_style_tokenizer(&dir.join("hf"), 512);
+    for (kind, file, end_of_text) in [
+        (TokenizerKind::Char, None, "\u{3}"),
+        (TokenizerKind::Gpt2, None, "<|endoftext|>"),
+        (TokenizerKind::Hf, Some(&hf), "<|end_of_text|>"),
     ] {
         let outputs: Vec<PathBuf> = [1, 2]
             .into_iter()
@@ -114,8 +117,11 @@ fn prepared_shards_decode_to_the_input_whatever_the_threads() {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                pool.install(|| prepare(&options(&input, &out, kind)))
-                    .unwrap();
+                let options = PrepareOptions {
+                    tokenizer_file: file.cloned(),
+                    ..options(&input, &out, kind)
+                };
+                pool.install(|| prepare(&options)).unwrap();
                 out
             })
             .collect();
@@ -137,10 +143,7 @@ fn prepared_shards_decode_to_the_input_whatever_the_threads() {
         );
         assert!(manifest.documents.val > 0 && manifest.documents.train > 0);
         assert_eq!(manifest.dtype, TokenDtype::U16);
-        let tokenizer = match kind {
-            TokenizerKind::Char => Tokenizer::from_chars(&manifest.vocab),
-            TokenizerKind::Gpt2 => Tokenizer::gpt2().unwrap(),
-        };
+        let tokenizer = Tokenizer::stored(manifest.tokenizer, &manifest.vocab).unwrap();
         let decode = |tokens: &Tokens| tokenizer.decode(&all(tokens)).unwrap();
         let train = split_documents(&decode(&prepared.train), end_of_text);
         let val = split_documents(&decode(&prepared.val), end_of_text);

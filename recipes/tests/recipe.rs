@@ -484,7 +484,9 @@ fn hf_import_then_export_is_bitwise() {
         let model = wildfire_recipes::model::Gpt::<Flex>::new(&config, stage, &Default::default());
         let model = wildfire_recipes::hf::import(model, &config, &source).expect("import");
         let export = dir.join("export");
-        let out = wildfire_recipes::hf::export(&model, &config, &export, u64::MAX).expect("export");
+        let chars = wildfire_recipes::data::Tokenizer::from_chars("");
+        let out = wildfire_recipes::hf::export(&model, &config, &chars, &export, u64::MAX)
+            .expect("export");
         let bytes = std::fs::read(&out).unwrap();
         let exported = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(

@@ -60,7 +60,8 @@ pub struct TrainState {
     pub config: RunConfig,
     pub model: GptConfig,
     pub tokenizer: TokenizerKind,
-    /// The character vocabulary (empty for GPT-2 BPE).
+    /// What rebuilds the tokenizer ([`crate::data::Tokenizer::stored`]): the character
+    /// vocabulary, nothing for GPT-2 BPE, or a Hugging Face `tokenizer.json`'s text.
     pub vocab: String,
     /// The manifest hash of the prepared data the run trains on (none for a text corpus).
     #[serde(default, skip_serializing_if = "Option::is_none")]

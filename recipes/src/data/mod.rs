@@ -3,17 +3,19 @@
 
 mod corpus;
 mod gpt2;
+mod hf_tokenizer;
 mod prepare;
 mod prepared;
 mod sampler;
 mod tokenizer;
 
 pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
-pub use gpt2::GPT2_END_OF_TEXT;
+pub use gpt2::{GPT2_END_OF_TEXT, GPT2_VOCAB};
+pub use hf_tokenizer::{END_OF_TEXT_NAMES, HfTokenizer};
 pub use prepare::{CHAR_END_OF_TEXT, PrepareOptions, prepare};
 pub use prepared::{
     Blend, DocumentCounts, MANIFEST, Manifest, Prepared, ShardEntry, Split, TokenDtype, Tokens,
     is_prepared,
 };
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};
-pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind};
+pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind, tokenizer_json};

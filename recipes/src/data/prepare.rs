@@ -4,15 +4,17 @@
 //! - **Documents.** A text file is one document; a `.jsonl` file holds one document per line,
 //!   the string in field `--text-field`; empty ones are left out. Inputs are read in the order
 //!   given, a directory's files in path order. Each document is followed by the tokenizer's
-//!   end-of-text id: GPT-2's `<|endoftext|>`, and for characters U+0003 (whose Unicode name is
-//!   END OF TEXT), reserved: an input that holds it is refused.
+//!   end-of-text id: GPT-2's `<|endoftext|>`; a Hugging Face tokenizer's first of
+//!   [`END_OF_TEXT_NAMES`] (`<|end_of_text|>` for Llama 3); and for characters U+0003 (whose
+//!   Unicode name is END OF TEXT), reserved: an input that holds it is refused.
 //! - **Validation** takes whole documents: document `i` is held out when a uniform draw seeded
 //!   by `(seed, i)` falls below `--val-fraction`, so the split depends on nothing but the seed
 //!   and the documents' order.
 //! - **Determinism.** Documents are encoded on all threads and written in input order. A long
 //!   document is encoded in pieces cut after the first newline past every 1 MiB, positions
 //!   that depend on the text alone. So the output is byte-identical whatever the number of
-//!   threads, and decodes back to the input exactly.
+//!   threads, and decodes back to the input exactly (with a Hugging Face tokenizer, where its
+//!   decoder inverts its encoder, as byte-level ones do).
 //! - **Nothing half-written.** Everything goes to a sibling temporary directory, renamed to
 //!   `--out` once complete; an existing `--out` is never touched.
 
@@ -26,6 +28,7 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::corpus::collect_files;
+use super::hf_tokenizer::END_OF_TEXT_NAMES;
 use super::prepared::{DocumentCounts, FORMAT, MANIFEST, Manifest, ShardEntry, Split, TokenDtype};
 use super::sampler::SplitMix64;
 use super::tokenizer::{Tokenizer, TokenizerKind};
@@ -43,6 +46,8 @@ pub struct PrepareOptions {
     pub inputs: Vec<PathBuf>,
     pub out: PathBuf,
     pub tokenizer: TokenizerKind,
+    /// The `tokenizer.json` of `TokenizerKind::Hf`.
+    pub tokenizer_file: Option<PathBuf>,
     pub val_fraction: f64,
     pub seed: u64,
     /// The field of a `.jsonl` line that holds the document's text.
@@ -70,18 +75,24 @@ pub fn prepare(options: &PrepareOptions) -> anyhow::Result<Manifest> {
     let total_bytes: u64 = (files.iter())
         .map(|f| fs::metadata(f).map(|m| m.len()).unwrap_or(0))
         .sum();
-    let tokenizer = match options.tokenizer {
-        TokenizerKind::Gpt2 => Tokenizer::gpt2()?,
-        TokenizerKind::Char => char_vocabulary(&files, options)?,
+    let tokenizer = match (options.tokenizer, &options.tokenizer_file) {
+        (TokenizerKind::Gpt2, _) => Tokenizer::gpt2()?,
+        (TokenizerKind::Char, _) => char_vocabulary(&files, options)?,
+        (TokenizerKind::Hf, Some(path)) => Tokenizer::hugging_face(path)?,
+        (TokenizerKind::Hf, None) => bail!("a Hugging Face tokenizer needs its tokenizer.json"),
     };
-    let (vocab_size, end_of_text) = match &tokenizer {
-        Tokenizer::Gpt2(_) => (tokenizer.vocab_size(), super::gpt2::GPT2_END_OF_TEXT),
-        Tokenizer::Char { chars } => {
-            let id = chars
-                .binary_search(&CHAR_END_OF_TEXT)
-                .expect("reserved in the vocabulary");
-            (chars.len(), id as u32)
-        }
+    let vocab_size = tokenizer.vocab_size();
+    let end_of_text = match &tokenizer {
+        Tokenizer::Gpt2(_) => super::gpt2::GPT2_END_OF_TEXT,
+        Tokenizer::Char { chars } => chars
+            .binary_search(&CHAR_END_OF_TEXT)
+            .expect("reserved in the vocabulary") as u32,
+        Tokenizer::Hf(hf) => hf.end_of_text().with_context(|| {
+            format!(
+                "the tokenizer has none of the end-of-text tokens {END_OF_TEXT_NAMES:?} to \
+                 separate documents with"
+            )
+        })?,
     };
     let dtype = options.dtype.unwrap_or(TokenDtype::for_vocab(vocab_size));
     if vocab_size > dtype.max_vocab() {
@@ -112,7 +123,7 @@ pub fn prepare(options: &PrepareOptions) -> anyhow::Result<Manifest> {
     let manifest = Manifest {
         format: FORMAT,
         tokenizer: options.tokenizer,
-        vocab: tokenizer.vocab_string(),
+        vocab: tokenizer.definition(),
         vocab_size,
         end_of_text,
         dtype,

@@ -99,7 +99,8 @@ pub struct DocumentCounts {
 pub struct Manifest {
     pub format: u32,
     pub tokenizer: TokenizerKind,
-    /// The character vocabulary in id order (empty for GPT-2 BPE).
+    /// What rebuilds the tokenizer ([`super::Tokenizer::stored`]): the character vocabulary in
+    /// id order, nothing for GPT-2 BPE, or a Hugging Face `tokenizer.json`'s text.
     pub vocab: String,
     pub vocab_size: usize,
     /// The id that follows every document.

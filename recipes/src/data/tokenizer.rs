@@ -1,8 +1,16 @@
 //! Tokenizers: character-level (the vocabulary is the corpus's distinct characters, in code-point
-//! order) and GPT-2's byte-level BPE (tiktoken's `r50k_base`, whose ranks ship inside the
-//! tiktoken-rs crate, so nothing is downloaded; encoded by [`super::gpt2`]).
+//! order), GPT-2's byte-level BPE (tiktoken's `r50k_base`, whose ranks ship inside the
+//! tiktoken-rs crate, so nothing is downloaded; encoded by [`super::gpt2`]), and any Hugging Face
+//! `tokenizer.json` ([`super::hf_tokenizer`]).
+//!
+//! A run stores what rebuilds its tokenizer ([`Tokenizer::definition`]) in its checkpoints and
+//! prepared manifests: the characters, nothing for GPT-2 (its tables ship in the binary), or the
+//! `tokenizer.json` text.
+
+use std::path::{Path, PathBuf};
 
 use super::gpt2::{GPT2_VOCAB, Gpt2Bpe};
+use super::hf_tokenizer::HfTokenizer;
 use serde::{Deserialize, Serialize};
 
 /// Which tokenizer a run uses; stored in the run's config and checkpoints.
@@ -11,6 +19,35 @@ use serde::{Deserialize, Serialize};
 pub enum TokenizerKind {
     Char,
     Gpt2,
+    /// A Hugging Face `tokenizer.json`.
+    Hf,
+}
+
+impl TokenizerKind {
+    /// A command-line choice: `char`, `gpt2` or `hf:PATH` (a `tokenizer.json`, or a model
+    /// directory holding one).
+    pub fn parse_flag(flag: &str) -> Result<(Self, Option<PathBuf>), String> {
+        match flag {
+            "char" => Ok((Self::Char, None)),
+            "gpt2" => Ok((Self::Gpt2, None)),
+            _ => match flag.strip_prefix("hf:") {
+                Some(path) if !path.is_empty() => Ok((Self::Hf, Some(tokenizer_json(path)))),
+                _ => Err(format!(
+                    "tokenizer {flag:?}: expected char, gpt2 or hf:PATH (a tokenizer.json or a \
+                     model directory holding one)"
+                )),
+            },
+        }
+    }
+}
+
+/// `path` itself, or `path/tokenizer.json` when `path` is a directory.
+pub fn tokenizer_json(path: impl AsRef<Path>) -> PathBuf {
+    let path = path.as_ref();
+    match path.is_dir() {
+        true => path.join("tokenizer.json"),
+        false => path.to_path_buf(),
+    }
 }
 
 impl std::fmt::Display for TokenizerKind {
@@ -18,6 +55,7 @@ impl std::fmt::Display for TokenizerKind {
         f.write_str(match self {
             Self::Char => "char",
             Self::Gpt2 => "gpt2",
+            Self::Hf => "hf",
         })
     }
 }
@@ -30,6 +68,8 @@ pub enum TokenizerError {
     UnknownId { id: u32, size: usize },
     #[error("GPT-2 BPE tables failed to load: {0}")]
     Bpe(String),
+    #[error("Hugging Face tokenizer {origin}: {reason}")]
+    HuggingFace { origin: String, reason: String },
 }
 
 /// A tokenizer ready to encode and decode.
@@ -39,6 +79,7 @@ pub enum Tokenizer {
         chars: Vec<char>,
     },
     Gpt2(Box<Gpt2Bpe>),
+    Hf(Box<HfTokenizer>),
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -46,6 +87,7 @@ impl std::fmt::Debug for Tokenizer {
         match self {
             Self::Char { chars } => write!(f, "Tokenizer::Char({} chars)", chars.len()),
             Self::Gpt2(_) => write!(f, "Tokenizer::Gpt2"),
+            Self::Hf(hf) => write!(f, "Tokenizer::{hf:?}"),
         }
     }
 }
@@ -72,18 +114,45 @@ impl Tokenizer {
             .map_err(TokenizerError::Bpe)
     }
 
+    /// The Hugging Face tokenizer in the `tokenizer.json` at `path`.
+    pub fn hugging_face(path: &Path) -> Result<Self, TokenizerError> {
+        HfTokenizer::open(path).map(|hf| Self::Hf(Box::new(hf)))
+    }
+
+    /// The tokenizer of `kind` that `definition` (a checkpoint's or manifest's, see
+    /// [`Tokenizer::definition`]) describes.
+    pub fn stored(kind: TokenizerKind, definition: &str) -> Result<Self, TokenizerError> {
+        match kind {
+            TokenizerKind::Char => Ok(Self::from_chars(definition)),
+            TokenizerKind::Gpt2 => Self::gpt2(),
+            TokenizerKind::Hf => HfTokenizer::from_json(definition.to_string(), "stored")
+                .map(|hf| Self::Hf(Box::new(hf))),
+        }
+    }
+
     pub fn kind(&self) -> TokenizerKind {
         match self {
             Self::Char { .. } => TokenizerKind::Char,
             Self::Gpt2(_) => TokenizerKind::Gpt2,
+            Self::Hf(_) => TokenizerKind::Hf,
         }
     }
 
-    /// The character vocabulary as one string (empty for BPE, whose tables are fixed).
-    pub fn vocab_string(&self) -> String {
+    /// What rebuilds this tokenizer with [`Tokenizer::stored`]: the characters as one string,
+    /// nothing for GPT-2 (its tables are fixed), or the `tokenizer.json` text.
+    pub fn definition(&self) -> String {
         match self {
             Self::Char { chars } => chars.iter().collect(),
             Self::Gpt2(_) => String::new(),
+            Self::Hf(hf) => hf.json().to_string(),
+        }
+    }
+
+    /// The `tokenizer.json` text of a Hugging Face tokenizer.
+    pub fn hf_json(&self) -> Option<&str> {
+        match self {
+            Self::Hf(hf) => Some(hf.json()),
+            _ => None,
         }
     }
 
@@ -91,6 +160,7 @@ impl Tokenizer {
         match self {
             Self::Char { chars } => chars.len(),
             Self::Gpt2(_) => GPT2_VOCAB,
+            Self::Hf(hf) => hf.vocab_size(),
         }
     }
 
@@ -109,6 +179,7 @@ impl Tokenizer {
                 })
                 .collect(),
             Self::Gpt2(bpe) => Ok(bpe.encode(text)),
+            Self::Hf(hf) => hf.encode(text),
         }
     }
 
@@ -136,6 +207,7 @@ impl Tokenizer {
                 }
                 Ok(String::from_utf8_lossy(&bpe.decode_bytes(ids)).into_owned())
             }
+            Self::Hf(hf) => hf.decode(ids),
         }
     }
 }

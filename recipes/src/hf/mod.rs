@@ -22,8 +22,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use wildfire_parallel::checkpoint::module::ModuleLayout;
 
+use crate::data::{GPT2_VOCAB, Tokenizer};
 use crate::model::params::collect_params;
-use crate::model::{Gpt, GptConfig};
+use crate::model::{Gpt, GptConfig, ModelKind};
 use names::{hf_name, is_ignored, is_transposed, without_prefix};
 
 /// Shards of at most 5 GB, Hugging Face's default (`save_pretrained`'s `max_shard_size`).
@@ -36,7 +37,7 @@ fn transpose(data: TensorData) -> TensorData {
 }
 
 /// The weights path of a `run.init_from` value `hf:PATH`.
-fn source_path(source: &str) -> anyhow::Result<&Path> {
+pub fn source_path(source: &str) -> anyhow::Result<&Path> {
     match source.strip_prefix("hf:") {
         Some(path) => Ok(Path::new(path)),
         None => bail!(
@@ -131,13 +132,15 @@ pub fn import<B: Backend>(
     ModuleLayout::load_whole(model, &tensors).with_context(source)
 }
 
-/// Writes `model` (of `config`) as Hugging Face weights plus `config.json`: to `out` itself
-/// when it ends in `.safetensors` (config.json beside it), else into the directory `out`, as
-/// one `model.safetensors` or, above `max_shard_bytes`, shards and their index. Returns the
-/// weights file or the index.
+/// Writes `model` (of `config`) as Hugging Face weights plus `config.json` (and `tokenizer`'s
+/// `tokenizer.json` when it is a Hugging Face one): to `out` itself when it ends in
+/// `.safetensors` (the JSON files beside it), else into the directory `out`, as one
+/// `model.safetensors` or, above `max_shard_bytes`, shards and their index. Returns the weights
+/// file or the index.
 pub fn export<B: Backend>(
     model: &Gpt<B>,
     config: &GptConfig,
+    tokenizer: &Tokenizer,
     out: &Path,
     max_shard_bytes: u64,
 ) -> anyhow::Result<PathBuf> {
@@ -170,8 +173,38 @@ pub fn export<B: Backend>(
         })?,
         false => files::write_tensors(&dir, &tensors, max_shard_bytes)?,
     };
-    let config_path = dir.join("config.json");
-    std::fs::write(&config_path, serde_json::to_string_pretty(&hf_config)?)
-        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    let json_files = [
+        (
+            "config.json",
+            Some(serde_json::to_string_pretty(&hf_config)?),
+        ),
+        ("tokenizer.json", tokenizer.hf_json().map(str::to_string)),
+    ];
+    for (name, text) in json_files {
+        if let Some(text) = text {
+            let path = dir.join(name);
+            std::fs::write(&path, text)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+    }
     Ok(written)
+}
+
+/// The tokenizer of the Hugging Face model directory `dir` (of `config`): its
+/// `tokenizer.json`, else, for a GPT-2 of GPT-2's 50,257 tokens, GPT-2's own BPE.
+pub fn tokenizer(dir: &Path, config: &GptConfig) -> anyhow::Result<Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    if path.exists() {
+        return Ok(Tokenizer::hugging_face(&path)?);
+    }
+    if config.kind == ModelKind::Gpt && config.vocab_size == GPT2_VOCAB {
+        return Ok(Tokenizer::gpt2()?);
+    }
+    bail!(
+        "{} has no tokenizer.json, and its {} of {} tokens is not GPT-2 (whose tokenizer ships \
+         with wildfire)",
+        dir.display(),
+        config.kind,
+        config.vocab_size
+    )
 }

@@ -203,9 +203,10 @@ fn prepare_data(config: &RunConfig, resumed: Option<&Loaded>) -> anyhow::Result<
     }
     let text = load_text(&config.data.path)?;
     let tokenizer = match (config.data.tokenizer, resumed) {
-        (TokenizerKind::Char, Some(loaded)) => Tokenizer::from_chars(&loaded.state.vocab),
+        (kind, Some(loaded)) => Tokenizer::stored(kind, &loaded.state.vocab)?,
         (TokenizerKind::Char, None) => Tokenizer::char_level(&text),
-        (TokenizerKind::Gpt2, _) => Tokenizer::gpt2()?,
+        (TokenizerKind::Gpt2, None) => Tokenizer::gpt2()?,
+        (TokenizerKind::Hf, None) => Tokenizer::hugging_face(&config.tokenizer_file()?)?,
     };
     let tokens = tokenizer.encode(&text).with_context(|| {
         format!(
@@ -261,10 +262,7 @@ fn prepared_data(
             );
         }
     }
-    let tokenizer = match manifest.tokenizer {
-        TokenizerKind::Char => Tokenizer::from_chars(&manifest.vocab),
-        TokenizerKind::Gpt2 => Tokenizer::gpt2()?,
-    };
+    let tokenizer = Tokenizer::stored(manifest.tokenizer, &manifest.vocab)?;
     let model = config.model(tokenizer.vocab_size())?;
     if let Some(loaded) = resumed {
         check_same_model(&loaded.state.model, &model)?;
@@ -910,7 +908,7 @@ fn checkpoint_template(config: &RunConfig, data: &Data, start_step: u64) -> Trai
         config: config.clone(),
         model: data.model.clone(),
         tokenizer: data.tokenizer.kind(),
-        vocab: data.tokenizer.vocab_string(),
+        vocab: data.tokenizer.definition(),
         data_hash: data.hash.clone(),
         cursor: Default::default(),
         rng_seed: config.train.seed,

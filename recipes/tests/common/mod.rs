@@ -562,3 +562,58 @@ pub fn python(script: &str, args: &[&str]) -> Option<Output> {
     println!("skipped: {script}: {}", missing.trim());
     None
 }
+
+/// Llama 3's pre-tokenisation pattern (its tokenizer.json's `Split` pre-tokenizer).
+const LLAMA3_PIECES: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A `tokenizer.json` of Llama 3's design (its pre-tokenizer, byte-level BPE, its two document
+/// tokens), trained by Hugging Face's `tokenizers` on the bundled corpus to `vocab` ids, written
+/// to `dir/tokenizer.json`: the real Llama 3 file cannot be downloaded here.
+pub fn llama3_style_tokenizer(dir: &Path, vocab: usize) -> PathBuf {
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::models::{ModelWrapper, TrainerWrapper};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{
+        AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+        SplitDelimiterBehavior, TokenizerBuilder, TokenizerImpl,
+    };
+    let pieces = Split::new(
+        SplitPattern::Regex(LLAMA3_PIECES.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .unwrap();
+    let pre = Sequence::new(vec![
+        pieces.into(),
+        ByteLevel::new(false, true, false).into(),
+    ]);
+    let mut tokenizer: TokenizerImpl<
+        ModelWrapper,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    > = TokenizerBuilder::new()
+        .with_model(BPE::default().into())
+        .with_pre_tokenizer(Some(pre.into()))
+        .with_decoder(Some(ByteLevel::default().into()))
+        .build()
+        .unwrap();
+    let specials = ["<|begin_of_text|>", "<|end_of_text|>"];
+    let trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(specials.map(|s| AddedToken::from(s, true)).to_vec())
+        .build();
+    let mut trainer = TrainerWrapper::BpeTrainer(trainer);
+    tokenizer
+        .train_from_files(&mut trainer, vec![CORPUS.to_string()])
+        .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("tokenizer.json");
+    tokenizer.save(&path, false).unwrap();
+    path
+}
