@@ -24,15 +24,24 @@ use collective::CollectiveBackend;
 use kernels::attention::FusedAttentionBackend;
 use kernels::bias_gelu::FusedBiasGeluBackend;
 use kernels::layer_norm::FusedLayerNormBackend;
+use kernels::rope::FusedRopeBackend;
 
 /// What the decorator gives a backend: collectives and fused kernels. `Parallel<B>` and
 /// `Autodiff<Parallel<B>>` are decorated backends; a model written for one runs on both.
 pub trait DecoratedBackend:
-    CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend + FusedLayerNormBackend
+    CollectiveBackend
+    + FusedAttentionBackend
+    + FusedBiasGeluBackend
+    + FusedLayerNormBackend
+    + FusedRopeBackend
 {
 }
 
 impl<B> DecoratedBackend for B where
-    B: CollectiveBackend + FusedAttentionBackend + FusedBiasGeluBackend + FusedLayerNormBackend
+    B: CollectiveBackend
+        + FusedAttentionBackend
+        + FusedBiasGeluBackend
+        + FusedLayerNormBackend
+        + FusedRopeBackend
 {
 }

@@ -1,6 +1,6 @@
 //! `activations`: peak memory and step time of training under each activation-checkpointing
 //! mode (none, full, selective), and without checkpointing on the decomposed ops instead of
-//! the fused ones, on the tiny and gpt2 presets, measured side by side in one
+//! the fused ones, on the tiny, llama-tiny and gpt2 presets, measured side by side in one
 //! process by the counting allocator: the run's `activation_peak_mib` metric (the peak heap
 //! growth during a step's forwards and backwards: kept activations, the backward's transients
 //! and the gradients), and the whole run's peak heap (which on a large model is set by the model
@@ -24,9 +24,9 @@ pub struct ActivationArgs {
     /// timed).
     #[arg(long, default_value_t = 4)]
     steps: u64,
-    /// Only the tiny preset (quick).
-    #[arg(long)]
-    tiny_only: bool,
+    /// Only these presets (repeatable; default: all of them).
+    #[arg(long = "preset", value_name = "PRESET")]
+    presets: Vec<String>,
 }
 
 /// The measurements of each shape: every checkpointing mode with the fused ops (the default),
@@ -58,13 +58,14 @@ struct Row {
 }
 
 /// (preset, context, micro-batch).
-const SHAPES: [(&str, usize, usize); 2] = [("tiny", 128, 16), ("gpt2", 256, 4)];
+const SHAPES: [(&str, usize, usize); 3] =
+    [("tiny", 128, 16), ("llama-tiny", 128, 16), ("gpt2", 256, 4)];
 
 pub fn run(args: ActivationArgs) -> anyhow::Result<()> {
     wildfire_recipes::alloc::register(&HEAP);
     let mut rows = Vec::new();
     for (preset, context, micro_batch) in SHAPES {
-        if args.tiny_only && preset != "tiny" {
+        if !args.presets.is_empty() && !args.presets.iter().any(|p| p == preset) {
             continue;
         }
         let first = rows.len();

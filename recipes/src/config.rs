@@ -167,9 +167,10 @@ pub struct TrainSection {
     #[serde(default)]
     pub activation_checkpointing: ActivationCheckpointing,
     /// The model's fused ops, each with its fused backward: attention (where it has no
-    /// dropout), the MLP's bias + GELU and LayerNorm. `false` runs them as decomposed ops
-    /// instead, to compare or to rule the fusions out (Megatron-LM's
-    /// `--no-masked-softmax-fusion` and `--no-bias-gelu-fusion`, and Burn's LayerNorm).
+    /// dropout), the MLP's bias + GELU, LayerNorm and RMSNorm, and the rotary embedding.
+    /// `false` runs them as decomposed ops instead, to compare or to rule the fusions out
+    /// (Megatron-LM's `--no-masked-softmax-fusion` and `--no-bias-gelu-fusion`, and Burn's
+    /// LayerNorm).
     #[serde(default = "fused_ops_default")]
     pub fused_ops: bool,
 }

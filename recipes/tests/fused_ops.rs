@@ -1,8 +1,9 @@
-//! The GPT with its fused ops (FlashAttention-2's forward and its fused backward,
-//! `wildfire_backend::kernels::attention`; the MLP's bias + GELU, `kernels::bias_gelu`) against
+//! The GPT and the Llama model with their fused ops (FlashAttention-2's forward and its fused
+//! backward, `wildfire_backend::kernels::attention`; the MLP's bias + GELU, `kernels::bias_gelu`;
+//! LayerNorm and RMSNorm, `kernels::layer_norm`; the rotary embedding, `kernels::rope`) against
 //! the decomposed ops: one training step's loss and every parameter's gradient. On the CPU
-//! backend the fused path is the reference in Burn ops; on wgpu (lavapipe on CI) it is the CubeCL
-//! kernels.
+//! backend the fused path is Flex's loops; on wgpu (lavapipe on CI) the CubeCL kernels, and the
+//! reference in Burn ops for the norms and the rotation.
 
 use burn::backend::{Autodiff, Wgpu};
 use burn::module::Module;
@@ -18,9 +19,10 @@ use wildfire_recipes::model::{Gpt, Preset, StageSpec};
 /// or off, from the same initialisation and tokens.
 fn step<A: AutodiffBackend + DecoratedBackend>(
     device: &A::Device,
+    preset: Preset,
     fused: bool,
 ) -> (f32, Vec<(String, Vec<f32>)>) {
-    let config = Preset::Tiny.config(65);
+    let config = preset.config(65);
     let device = device.clone();
     A::seed(&device, 7);
     let model = Gpt::<A>::new(&config, StageSpec::whole(&config), &device).with_fused_ops(fused);
@@ -106,12 +108,23 @@ fn on_cuda_the_kernels_train_like_the_decomposed_ops() {
     }
 }
 
+/// [`compare_preset`] for the tiny GPT and llama-tiny.
 fn compare_steps<A: AutodiffBackend + DecoratedBackend>(device: &A::Device, tolerance: Tolerance) {
-    let (fused_loss, fused) = step::<A>(device, true);
-    let (loss, decomposed) = step::<A>(device, false);
+    for preset in [Preset::Tiny, Preset::LlamaTiny] {
+        compare_preset::<A>(device, preset, &tolerance);
+    }
+}
+
+fn compare_preset<A: AutodiffBackend + DecoratedBackend>(
+    device: &A::Device,
+    preset: Preset,
+    tolerance: &Tolerance,
+) {
+    let (fused_loss, fused) = step::<A>(device, preset, true);
+    let (loss, decomposed) = step::<A>(device, preset, false);
     assert!(
         ((fused_loss - loss) / loss).abs() < tolerance.loss,
-        "loss: fused {fused_loss}, decomposed {loss}"
+        "{preset:?} loss: fused {fused_loss}, decomposed {loss}"
     );
     let mut identical = true;
     for ((name, a), (_, b)) in fused.iter().zip(&decomposed) {
@@ -123,12 +136,12 @@ fn compare_steps<A: AutodiffBackend + DecoratedBackend>(device: &A::Device, tole
             .fold(0.0, f32::max);
         assert!(
             worst < tolerance.gradient,
-            "{name}: gradients differ by {worst:e} of their largest"
+            "{preset:?} {name}: gradients differ by {worst:e} of their largest"
         );
         identical &= a == b;
     }
     assert!(
         !identical,
-        "the two paths computed bitwise the same: are the fused ops on?"
+        "{preset:?}: the two paths computed bitwise the same: are the fused ops on?"
     );
 }

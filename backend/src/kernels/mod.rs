@@ -8,8 +8,10 @@
 //!   ([`attention::flex`]).
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (reference, CubeCL kernels,
 //!   Flex's loops), and its autodiff op.
-//! - [`layer_norm`]: LayerNorm as one op each way (reference and Flex's loops), and its
-//!   autodiff op.
+//! - [`layer_norm`]: LayerNorm and RMSNorm as one op each way (reference and Flex's loops),
+//!   and their autodiff op.
+//! - [`rope`]: rotary position embeddings as one op each way (reference and Flex's loops),
+//!   keeping only its tables for the backward.
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, the matmul precision policy of `Parallel<B>`, and Flex's
 //!   f32 matmul with its output written once ([`matmul::flex`]; Flex copies each one).
@@ -29,6 +31,7 @@ pub mod flex;
 pub mod layer_norm;
 pub mod matmul;
 pub mod probe;
+pub mod rope;
 pub mod route;
 pub mod simd;
 

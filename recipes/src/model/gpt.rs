@@ -23,7 +23,9 @@ use wildfire_backend::comm::{CommError, split_ranges};
 use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
-use wildfire_backend::kernels::layer_norm::layer_norm as fused_layer_norm;
+use wildfire_backend::kernels::layer_norm::{
+    layer_norm as fused_layer_norm, rms_norm as fused_rms_norm,
+};
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ActivationPart, ParallelEmbedding, ParallelLinear, TensorParallel, TpStyle,
@@ -201,8 +203,9 @@ pub struct CausalSelfAttention<B: Backend> {
     #[module(skip)]
     pub rotary: Option<Rotary>,
     /// Whether the attention core runs as one fused op with its fused backward
-    /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops. It does only where
-    /// `attn_dropout` is 0: the fused op has no dropout of the attention weights.
+    /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops (it does only where
+    /// `attn_dropout` is 0: the fused op has no dropout of the attention weights), and Llama's
+    /// rotary embedding as one op each way (`wildfire_backend::kernels::rope`).
     #[module(skip)]
     pub fused: bool,
 }
@@ -230,7 +233,7 @@ pub struct Block<B: Backend> {
     pub attn: CausalSelfAttention<B>,
     pub ln_2: Norm<B>,
     pub mlp: Mlp<B>,
-    /// Whether the LayerNorms run as one fused op with its fused backward
+    /// Whether the norms (LayerNorm or RMSNorm) run as one fused op with its fused backward
     /// (`wildfire_backend::kernels::layer_norm`) rather than as Burn's decomposed ops.
     #[module(skip)]
     pub fused_norm: bool,
@@ -451,7 +454,10 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             .rotary
             .as_ref()
             .expect("Llama attention has rotary tables");
-        let (q, k) = (rotary.apply(q, start), rotary.apply(k, start));
+        let (q, k) = (
+            rotary.apply(q, start, self.fused),
+            rotary.apply(k, start, self.fused),
+        );
         let group = self.n_head / self.n_kv_head;
         Tensor::cat(vec![q, repeat_heads(k, group), repeat_heads(v, group)], 2)
     }
@@ -504,12 +510,14 @@ impl<B: DecoratedBackend> Mlp<B> {
 
 impl<B: DecoratedBackend> Norm<B> {
     /// The norm computed in fp32 (its fp32 parameters on the input cast up), returned in the
-    /// input's type: its mean and variance lose too much in half precision. A LayerNorm runs as
-    /// the fused op ([`fused_layer_norm`]) when `fused`, else as Burn's LayerNorm op.
+    /// input's type: its mean and variance lose too much in half precision. It runs as the
+    /// fused op ([`fused_layer_norm`], [`fused_rms_norm`]) when `fused`, else as Burn's
+    /// LayerNorm op or RMSNorm composed of Burn ops.
     pub fn forward(&self, x: Tensor<B, 3>, fused: bool) -> Tensor<B, 3> {
         let (gamma, beta) = (self.gamma.val(), self.beta.as_ref().map(Param::val));
         in_fp32(x, |x| match (self.rms, fused) {
-            (true, _) => {
+            (true, true) => fused_rms_norm(x, gamma, self.eps),
+            (true, false) => {
                 let mean_square = x.clone().square().mean_dim(2);
                 x / (mean_square + self.eps).sqrt() * gamma.unsqueeze()
             }
@@ -581,8 +589,9 @@ impl<B: Backend> Gpt<B> {
     }
 
     /// The same model with its fused ops on or off: the attention core (see
-    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout),
-    /// the MLP's bias + GELU (see `Mlp::fused`) and the LayerNorms (see `Block::fused_norm`).
+    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout)
+    /// and Llama's rotary embedding, the MLP's bias + GELU (see `Mlp::fused`) and the norms
+    /// (see `Block::fused_norm`).
     pub fn with_fused_ops(mut self, on: bool) -> Self {
         for block in &mut self.blocks {
             block.attn.fused = on;

@@ -16,6 +16,8 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
+use wildfire_backend::DecoratedBackend;
+use wildfire_backend::kernels::rope::rope as fused_rope;
 use wildfire_parallel::precision::in_dtype;
 
 /// Llama 3.1's frequency scaling (`rope_type: "llama3"` in Hugging Face configs): frequencies
@@ -131,12 +133,34 @@ impl Rotary {
         }
     }
 
-    /// `x: [batch, seq, heads, head_dim]`, rotated as for positions `start .. start + seq`:
-    /// `x·cos + (x·R)·sin` with [`rotate_half_matrix`]'s `R` (a matmul, where slicing the halves
-    /// apart and joining them again copies strided data twice each way). The product is computed
-    /// in `x`'s type (the tables rounded to it), as Hugging Face's Llama does.
-    pub fn apply<B: Backend>(&self, x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
-        let [batch, seq, heads, width] = x.dims();
+    /// `x: [batch, seq, heads, head_dim]`, rotated as for positions `start .. start + seq`, as
+    /// the fused op ([`fused_rope`], which keeps only the tables for the backward) when `fused`,
+    /// else as [`Self::apply_composed`] (equal to it exactly). The product is computed in `x`'s
+    /// type (the tables rounded to it), as Hugging Face's Llama does.
+    pub fn apply<B: DecoratedBackend>(
+        &self,
+        x: Tensor<B, 4>,
+        start: usize,
+        fused: bool,
+    ) -> Tensor<B, 4> {
+        if !fused {
+            return self.apply_composed(x, start);
+        }
+        let [_, seq, _, width] = x.dims();
+        self.check_positions(width, start, seq);
+        let (dtype, device) = (FloatDType::from(x.dtype()), x.device());
+        let table = |values: &[f32]| {
+            let rows = values[start * width..(start + seq) * width].to_vec();
+            in_dtype(
+                Tensor::<B, 2>::from_data(TensorData::new(rows, [seq, width]), &device),
+                dtype,
+            )
+        };
+        fused_rope(x, table(&self.cos), table(&self.sin))
+    }
+
+    /// Checks that the tables are for heads of `width` and hold positions `start..start + seq`.
+    fn check_positions(&self, width: usize, start: usize, seq: usize) {
         assert_eq!(
             width,
             2 * self.half,
@@ -149,6 +173,14 @@ impl Rotary {
             start + seq,
             self.positions
         );
+    }
+
+    /// [`Self::apply`] in Burn ops: `x·cos + (x·R)·sin` with [`rotate_half_matrix`]'s `R` (a
+    /// matmul, where slicing the halves apart and joining them again copies strided data twice
+    /// each way).
+    pub fn apply_composed<B: Backend>(&self, x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
+        let [batch, seq, heads, width] = x.dims();
+        self.check_positions(width, start, seq);
         let (dtype, device) = (FloatDType::from(x.dtype()), x.device());
         let tensor = |values: Vec<f32>, shape: [usize; 3]| {
             in_dtype(
@@ -179,12 +211,14 @@ impl Rotary {
 #[cfg(test)]
 mod tests {
     use burn::backend::Flex;
+    use wildfire_backend::Parallel;
 
     use super::*;
 
-    /// The rotation at positions far apart against the closed form in f64. The tables are
-    /// rounded once from f64 (|error| ≤ 2⁻²⁴ each), and the product adds two f32 roundings:
-    /// with inputs in [−1, 1] every output is within 4e-7 of the exact value.
+    /// The rotation at positions far apart against the closed form in f64, fused and composed
+    /// (which agree exactly). The tables are rounded once from f64 (|error| ≤ 2⁻²⁴ each), and
+    /// the product adds two f32 roundings: with inputs in [−1, 1] every output is within 4e-7 of
+    /// the exact value.
     #[test]
     fn rotation_matches_the_closed_form_at_any_position() {
         let (head_dim, theta) = (8, 10_000.0);
@@ -194,11 +228,16 @@ mod tests {
         let omegas = frequencies(head_dim, theta, None);
         let rotary = Rotary::new(head_dim, 100_001, theta, None);
         for position in [0usize, 1, 1000, 100_000] {
-            let input = Tensor::<Flex, 4>::from_data(
+            let input = Tensor::<Parallel<Flex>, 4>::from_data(
                 TensorData::new(x.clone(), [1, 1, 1, head_dim]),
                 &Default::default(),
             );
-            let got: Vec<f32> = rotary.apply(input, position).into_data().to_vec().unwrap();
+            let rotated = |fused| -> Vec<f32> {
+                let y = rotary.apply(input.clone(), position, fused);
+                y.into_data().to_vec().unwrap()
+            };
+            let got = rotated(true);
+            assert_eq!(got, rotated(false), "fused and composed at {position}");
             for i in 0..head_dim / 2 {
                 let angle = position as f64 * omegas[i];
                 let (x1, x2) = (x[i] as f64, x[i + head_dim / 2] as f64);

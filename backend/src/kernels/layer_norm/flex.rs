@@ -58,20 +58,25 @@ fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     lanes.iter().sum::<f32>() + rest
 }
 
-/// A row's mean `μ` and `r = 1/√(σ² + ε)`, the variance around the mean (two passes).
+/// A row's mean `μ` and `r = 1/√(σ² + ε)`, the variance around the mean (two passes); for
+/// RMSNorm (not `centred`) `μ = 0`, so `σ²` is the mean square.
 #[inline(always)]
-fn row_statistics(x: &[f32], epsilon: f32) -> (f32, f32) {
+fn row_statistics(x: &[f32], epsilon: f32, centred: bool) -> (f32, f32) {
     let n = x.len() as f32;
-    let mean = lane_sum(x, x, |v, _| v) / n;
+    let mean = match centred {
+        true => lane_sum(x, x, |v, _| v) / n,
+        false => 0.0,
+    };
     let variance = lane_sum(x, x, |v, _| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (variance + epsilon).sqrt())
 }
 
-/// LayerNorm's forward ([`super`]), `x̂ ∘ γ + β`, from `[x, γ, β]`, all f32, rows
-/// in parallel; `None` for inputs it does not take.
+/// LayerNorm's forward ([`super`]; RMSNorm's when not `centred`), `x̂ ∘ γ + β`, from
+/// `[x, γ, β]`, all f32, rows in parallel; `None` for inputs it does not take.
 pub fn layer_norm_forward(
     [x, gamma, beta]: [FlexTensor; 3],
     epsilon: f64,
+    centred: bool,
 ) -> Option<[FlexTensor; 1]> {
     let (x, [gamma, beta], [], columns) = rows_and_parameters(x, [gamma, beta], [])?;
     let (xs, gamma, beta) = (
@@ -92,7 +97,7 @@ pub fn layer_norm_forward(
                 #[inline(always)]
                 || {
                     for (out, x) in rows {
-                        let (mean, r) = row_statistics(x, epsilon);
+                        let (mean, r) = row_statistics(x, epsilon, centred);
                         for (((y, x), g), b) in out.iter_mut().zip(x).zip(gamma).zip(beta) {
                             y.write((x - mean) * r * g + b);
                         }
@@ -104,13 +109,15 @@ pub fn layer_norm_forward(
     Some([tensor_f32(out, x.layout().shape().clone())])
 }
 
-/// LayerNorm's backward ([`super`]) from `[x, γ, dy]`, all f32: `[dx, dγ, dβ]`.
+/// LayerNorm's backward ([`super`]; RMSNorm's when not `centred`) from `[x, γ, dy]`, all f32:
+/// `[dx, dγ, dβ]`.
 /// Rows in parallel, each task summing its rows' `dγ` and `dβ`; the tasks' sums are added in
 /// task order, so the result does not depend on the number of threads. `None` for inputs it
 /// does not take.
 pub fn layer_norm_backward(
     [x, gamma, output_grad]: [FlexTensor; 3],
     epsilon: f64,
+    centred: bool,
 ) -> Option<[FlexTensor; 3]> {
     let (x, [gamma], [output_grad], columns) = rows_and_parameters(x, [gamma], [output_grad])?;
     let (xs, gamma, dys) = (
@@ -132,7 +139,7 @@ pub fn layer_norm_backward(
                 || {
                     let rows = dx.chunks_mut(columns).zip(xs.chunks(columns));
                     for ((dx, x), dy) in rows.zip(dys.chunks(columns)) {
-                        let (mean, r) = row_statistics(x, epsilon);
+                        let (mean, r) = row_statistics(x, epsilon, centred);
                         for (((x̂, gi), x), (dy, gamma)) in normalised
                             .iter_mut()
                             .zip(&mut g)
@@ -142,7 +149,10 @@ pub fn layer_norm_backward(
                             *x̂ = (x - mean) * r;
                             *gi = dy * gamma;
                         }
-                        let g_mean = lane_sum(&g, &g, |v, _| v) / n;
+                        let g_mean = match centred {
+                            true => lane_sum(&g, &g, |v, _| v) / n,
+                            false => 0.0,
+                        };
                         let g_normalised_mean = lane_sum(&g, &normalised, |v, x̂| v * x̂) / n;
                         for ((dx, gi), x̂) in dx.iter_mut().zip(&g).zip(&normalised) {
                             dx.write(r * (gi - g_mean - x̂ * g_normalised_mean));

@@ -1,5 +1,5 @@
-//! Fused LayerNorm with its fused backward (what Apex's and Megatron-LM's fused LayerNorm do):
-//! one pass over the rows each way, keeping only the input for the backward.
+//! Fused LayerNorm and RMSNorm with their fused backward (what Apex's and Megatron-LM's fused
+//! norms do): one pass over the rows each way, keeping only the input for the backward.
 //!
 //! For a row `x` of `n` values (the rows of `x: [.., n]` are all its indices but the last), with
 //! `γ, β: [n]` broadcast over the rows and everything computed in f32:
@@ -21,6 +21,10 @@
 //! recomputes `μ` and `r` from `x`, so the autodiff node needs `x` and `γ` only; Burn's
 //! composed LayerNorm keeps about four tensors of `x`'s size and runs some twenty elementwise
 //! passes and reductions, each on one thread on Flex.
+//!
+//! **RMSNorm** (Llama's) is the same op uncentred: `μ` is taken as 0 and there is no `β`, so
+//! `r = 1/√(⟨x²⟩ + ε)`, `x̂ = x·r`, `y = x̂ ∘ γ`, and as `∂x̂ⱼ/∂xᵢ = r(δᵢⱼ − x̂ᵢx̂ⱼ/n)` the
+//! backward drops the `⟨g⟩` term: `dx = r·(g − x̂ ∘ ⟨g ∘ x̂⟩)`, `dγ = Σ_rows dy ∘ x̂`.
 //!
 //! `x` in f32, f16 or bf16 comes back in its type; `γ` and `β` may be in any float type. On Flex
 //! in f32 the passes are the loops of [`flex`] (rows in parallel); elsewhere the
@@ -46,14 +50,15 @@ use crate::Parallel;
 
 pub mod flex;
 
-/// A backend with the fused LayerNorm (see the module doc) on `x: [.., n]` with `γ, β: [n]`,
-/// whose autodiff backward is the fused one.
+/// A backend with the fused LayerNorm (`centred`) or RMSNorm (see the module doc) on
+/// `x: [.., n]` with `γ, β: [n]`, whose autodiff backward is the fused one.
 pub trait FusedLayerNormBackend: Backend {
     fn fused_layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        centred: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -67,6 +72,30 @@ pub fn layer_norm<B: FusedLayerNormBackend, const D: usize>(
     gamma: Tensor<B, 1>,
     beta: Option<Tensor<B, 1>>,
     epsilon: f64,
+) -> Tensor<B, D> {
+    norm(x, gamma, beta, epsilon, true)
+}
+
+/// RMSNorm's `x̂ ∘ γ` over the rows of `x: [.., n]` (any rank), in `x`'s type (see the module
+/// doc).
+///
+/// # Panics
+/// When `γ` is not `[n]`, naming the shapes.
+pub fn rms_norm<B: FusedLayerNormBackend, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    epsilon: f64,
+) -> Tensor<B, D> {
+    norm(x, gamma, None, epsilon, false)
+}
+
+/// LayerNorm (`centred`) or RMSNorm.
+fn norm<B: FusedLayerNormBackend, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Option<Tensor<B, 1>>,
+    epsilon: f64,
+    centred: bool,
 ) -> Tensor<B, D> {
     let shape = x.dims();
     let columns = shape[D - 1];
@@ -84,7 +113,7 @@ pub fn layer_norm<B: FusedLayerNormBackend, const D: usize>(
         primitive(gamma),
         primitive(beta),
     ];
-    tensor(B::fused_layer_norm(x, gamma, beta, epsilon))
+    tensor(B::fused_layer_norm(x, gamma, beta, epsilon, centred))
 }
 
 fn primitive<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
@@ -92,10 +121,17 @@ fn primitive<B: Backend>(t: Tensor<B, 1>) -> FloatTensor<B> {
 }
 
 /// `(x̂, r)` of the rows of `x: [rows, n]`, in f32: the normalised rows and each row's `r`
-/// (`[rows, 1]`).
-fn normalised<B: Backend>(x: Tensor<B, 2>, epsilon: f64) -> (Tensor<B, 2>, Tensor<B, 2>) {
+/// (`[rows, 1]`); uncentred for RMSNorm.
+fn normalised<B: Backend>(
+    x: Tensor<B, 2>,
+    epsilon: f64,
+    centred: bool,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let x = in_dtype(x, FloatDType::F32);
-    let centred = x.clone() - x.mean_dim(1);
+    let centred = match centred {
+        true => x.clone() - x.mean_dim(1),
+        false => x,
+    };
     let variance = (centred.clone() * centred.clone()).mean_dim(1);
     let r = (variance + epsilon).sqrt().recip();
     (centred * r.clone(), r)
@@ -112,9 +148,10 @@ pub fn reference_forward<B: Backend>(
     gamma: Tensor<B, 1>,
     beta: Tensor<B, 1>,
     epsilon: f64,
+    centred: bool,
 ) -> Tensor<B, 2> {
     let dtype = FloatDType::from(x.dtype());
-    let (normalised, _) = normalised(x, epsilon);
+    let (normalised, _) = normalised(x, epsilon, centred);
     in_dtype(normalised * row(gamma) + row(beta), dtype)
 }
 
@@ -132,14 +169,18 @@ pub fn reference_backward<B: Backend>(
     gamma: Tensor<B, 1>,
     output_grad: Tensor<B, 2>,
     epsilon: f64,
+    centred: bool,
 ) -> LayerNormGrads<B> {
     let columns = x.dims()[1];
-    let (normalised, r) = normalised(x, epsilon);
+    let (normalised, r) = normalised(x, epsilon, centred);
     let output_grad = in_dtype(output_grad, FloatDType::F32);
     let g = output_grad.clone() * row(gamma);
-    let g_mean = g.clone().mean_dim(1);
     let g_normalised_mean = (g.clone() * normalised.clone()).mean_dim(1);
-    let x_grad = (g - g_mean - normalised.clone() * g_normalised_mean) * r;
+    let g = match centred {
+        true => g.clone() - g.mean_dim(1),
+        false => g,
+    };
+    let x_grad = (g - normalised.clone() * g_normalised_mean) * r;
     let column_sum = |t: Tensor<B, 2>| t.sum_dim(0).reshape([columns]);
     LayerNormGrads {
         x: x_grad,
@@ -150,12 +191,19 @@ pub fn reference_backward<B: Backend>(
 
 /// The forward on backend `B`: the native loops on Flex (unless opted out), the reference
 /// otherwise.
-fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 3], epsilon: f64) -> FloatTensor<B> {
-    match on_flex(inputs, |inputs| flex::layer_norm_forward(inputs, epsilon)) {
+fn forward_on<B: Backend>(
+    inputs: [FloatTensor<B>; 3],
+    epsilon: f64,
+    centred: bool,
+) -> FloatTensor<B> {
+    match on_flex(inputs, |inputs| {
+        flex::layer_norm_forward(inputs, epsilon, centred)
+    }) {
         Ok([y]) => y,
         Err([x, gamma, beta]) => {
             let shape = x.shape();
-            let y = reference_forward::<B>(as_rows(x), tensor(gamma), tensor(beta), epsilon);
+            let (gamma, beta) = (tensor(gamma), tensor(beta));
+            let y = reference_forward::<B>(as_rows(x), gamma, beta, epsilon, centred);
             B::float_reshape(y.into_primitive().tensor(), shape)
         }
     }
@@ -163,13 +211,19 @@ fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 3], epsilon: f64) -> FloatTen
 
 /// `[dx, dγ, dβ]` in f32 on backend `B` from `[x, γ, dy]`: the native loops on Flex (unless
 /// opted out), the reference otherwise.
-fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 3], epsilon: f64) -> [FloatTensor<B>; 3] {
-    match on_flex(inputs, |inputs| flex::layer_norm_backward(inputs, epsilon)) {
+fn backward_on<B: Backend>(
+    inputs: [FloatTensor<B>; 3],
+    epsilon: f64,
+    centred: bool,
+) -> [FloatTensor<B>; 3] {
+    match on_flex(inputs, |inputs| {
+        flex::layer_norm_backward(inputs, epsilon, centred)
+    }) {
         Ok(grads) => grads,
         Err([x, gamma, output_grad]) => {
             let shape = x.shape();
-            let grads =
-                reference_backward::<B>(as_rows(x), tensor(gamma), as_rows(output_grad), epsilon);
+            let (x, gamma, dy) = (as_rows(x), tensor(gamma), as_rows(output_grad));
+            let grads = reference_backward::<B>(x, gamma, dy, epsilon, centred);
             [
                 B::float_reshape(grads.x.into_primitive().tensor(), shape),
                 primitive(grads.gamma),
@@ -185,8 +239,9 @@ impl<B: Backend> FusedLayerNormBackend for Parallel<B> {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        centred: bool,
     ) -> FloatTensor<Self> {
-        forward_on::<Self>([x, gamma, beta], epsilon)
+        forward_on::<Self>([x, gamma, beta], epsilon, centred)
     }
 }
 
@@ -197,6 +252,7 @@ impl<B: Backend> FusedLayerNormBackend for Parallel<B> {
 #[derive(Debug)]
 struct LayerNormBackward {
     epsilon: f64,
+    centred: bool,
     beta_dtype: DType,
 }
 
@@ -214,7 +270,8 @@ impl<B: Backend> Backward<Parallel<B>, 3> for LayerNormBackward {
             .state
             .map(|id| checkpointer.retrieve_node_output::<FloatTensor<Parallel<B>>>(id));
         let dtypes = [x.dtype(), gamma.dtype(), self.beta_dtype];
-        let input_grads = backward_on::<Parallel<B>>([x, gamma, output_grad], self.epsilon);
+        let inputs = [x, gamma, output_grad];
+        let input_grads = backward_on::<Parallel<B>>(inputs, self.epsilon, self.centred);
         for ((node, grad), dtype) in ops.parents.into_iter().zip(input_grads).zip(dtypes) {
             if let Some(node) = node {
                 grads.register::<Parallel<B>>(
@@ -231,6 +288,7 @@ impl<B: Backend> Backward<Parallel<B>, 3> for LayerNormBackward {
 struct RetroLayerNorm<B> {
     inputs: [NodeId; 3],
     epsilon: f64,
+    centred: bool,
     backend: PhantomData<B>,
 }
 
@@ -239,7 +297,8 @@ impl<B: Backend> RetroForward for RetroLayerNorm<B> {
         let inputs = self
             .inputs
             .map(|id| states.get_state::<FloatTensor<Parallel<B>>>(&id));
-        states.save(out_node, forward_on::<Parallel<B>>(inputs, self.epsilon))
+        let y = forward_on::<Parallel<B>>(inputs, self.epsilon, self.centred);
+        states.save(out_node, y)
     }
 }
 
@@ -249,15 +308,18 @@ impl<B: Backend, C: CheckpointStrategy> FusedLayerNormBackend for Autodiff<Paral
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         epsilon: f64,
+        centred: bool,
     ) -> FloatTensor<Self> {
         let inputs = [&x, &gamma, &beta];
         let node = LayerNormBackward {
             epsilon,
+            centred,
             beta_dtype: beta.primitive.dtype(),
         };
         let retro = RetroLayerNorm::<B> {
             inputs: inputs.map(|input| input.node.id),
             epsilon,
+            centred,
             backend: PhantomData,
         };
         let prepared = node
@@ -266,7 +328,8 @@ impl<B: Backend, C: CheckpointStrategy> FusedLayerNormBackend for Autodiff<Paral
             .retro_forward(retro)
             .parents(inputs)
             .stateful();
-        let y = forward_on::<Parallel<B>>(inputs.map(|input| input.primitive.clone()), epsilon);
+        let primitives = inputs.map(|input| input.primitive.clone());
+        let y = forward_on::<Parallel<B>>(primitives, epsilon, centred);
         match prepared {
             OpsKind::Tracked(mut prep) => {
                 let state = [prep.checkpoint(&x), prep.checkpoint(&gamma)];
@@ -281,7 +344,7 @@ impl<B: Backend, C: CheckpointStrategy> FusedLayerNormBackend for Autodiff<Paral
 mod tests {
     use burn::backend::{Autodiff, Flex};
     use burn::module::Param;
-    use burn::nn::{LayerNorm, LayerNormConfig};
+    use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
     use burn::tensor::Distribution;
 
     use super::*;
@@ -339,6 +402,41 @@ mod tests {
     /// to 200 terms), 1e-4 on `dγ` and `dβ` (sums over 60 rows of such values).
     #[test]
     fn fused_layer_norm_matches_burns_layer_norm() {
+        assert_matches_burn(true);
+    }
+
+    /// The same for RMSNorm against Burn's own `RmsNorm` (which has no `β`: its gradient is 0
+    /// on both sides), with the same tolerances.
+    #[test]
+    fn fused_rms_norm_matches_burns_rms_norm() {
+        assert_matches_burn(false);
+    }
+
+    /// Burn's LayerNorm (`centred`) or RMSNorm of `x` with `γ` and `β` (RMSNorm ignores `β`).
+    fn burns_norm(
+        x: Tensor<Burn, 2>,
+        gamma: Tensor<Burn, 1>,
+        beta: Tensor<Burn, 1>,
+        centred: bool,
+    ) -> Tensor<Burn, 2> {
+        let device = x.device();
+        let columns = x.dims()[1];
+        if centred {
+            let mut norm: LayerNorm<Burn> = LayerNormConfig::new(columns)
+                .with_epsilon(EPSILON)
+                .init(&device);
+            norm.gamma = Param::from_tensor(gamma);
+            norm.beta = Some(Param::from_tensor(beta));
+            return norm.forward(x);
+        }
+        let mut norm: RmsNorm<Burn> = RmsNormConfig::new(columns)
+            .with_epsilon(EPSILON)
+            .init(&device);
+        norm.gamma = Param::from_tensor(gamma);
+        norm.forward(x) + (beta * 0.0).unsqueeze()
+    }
+
+    fn assert_matches_burn(centred: bool) {
         let device = Default::default();
         for columns in [1, 7, 128, 200] {
             Flex::seed(&device, columns as u64);
@@ -357,15 +455,11 @@ mod tests {
                 draw(60 * columns, 0.0),
             ];
             let expected = run::<Burn>(&inputs, shape, |x, gamma, beta| {
-                let mut norm: LayerNorm<Burn> = LayerNormConfig::new(columns)
-                    .with_epsilon(EPSILON)
-                    .init(&device);
-                norm.gamma = Param::from_tensor(gamma);
-                norm.beta = Some(Param::from_tensor(beta));
-                norm.forward(x)
+                burns_norm(x, gamma, beta, centred)
             });
-            let fused = run::<Fused>(&inputs, shape, |x, gamma, beta| {
-                layer_norm(x, gamma, Some(beta), EPSILON)
+            let fused = run::<Fused>(&inputs, shape, |x, gamma, beta| match centred {
+                true => layer_norm(x, gamma, Some(beta), EPSILON),
+                false => rms_norm(x, gamma, EPSILON) + (beta * 0.0).unsqueeze(),
             });
             let vector = |v: &Vec<f32>| Tensor::<Flex, 1>::from_floats(v.as_slice(), &device);
             let matrix = |v: &Vec<f32>| vector(v).reshape(shape);
@@ -375,13 +469,21 @@ mod tests {
                 vector(&inputs[2]),
                 matrix(&inputs[3]),
             );
-            let reference_y = reference_forward(x.clone(), gamma.clone(), beta, EPSILON);
-            let reference = reference_backward(x, gamma, output_grad, EPSILON);
+            let beta = match centred {
+                true => beta,
+                false => beta.zeros_like(),
+            };
+            let reference_y = reference_forward(x.clone(), gamma.clone(), beta, EPSILON, centred);
+            let reference = reference_backward(x, gamma, output_grad, EPSILON, centred);
+            let beta_grad = match centred {
+                true => values(reference.beta),
+                false => vec![0.0; columns],
+            };
             let reference = [
                 values(reference_y),
                 values(reference.x),
                 values(reference.gamma),
-                values(reference.beta),
+                beta_grad,
             ];
             for (name, results) in [("fused", &fused), ("reference", &reference)] {
                 for (i, (what, bound)) in [
@@ -396,7 +498,8 @@ mod tests {
                     let difference = max_difference(&results[i], &expected[i]);
                     assert!(
                         difference < bound,
-                        "{name}, {columns} columns: {what} differs from Burn's by {difference} \
+                        "{name} (centred: {centred}), {columns} columns: {what} differs from Burn's by \
+                         {difference} \
                          (bound {bound})"
                     );
                 }
