@@ -522,8 +522,7 @@ impl RunConfig {
             return Ok(tokenizer_json(path));
         }
         let init_dir = (self.run.init_from.as_deref())
-            .and_then(|source| source.strip_prefix("hf:"))
-            .map(Path::new)
+            .and_then(|source| crate::hf::source_path(source).ok())
             .filter(|path| path.is_dir());
         match init_dir.map(tokenizer_json) {
             Some(path) if path.exists() => Ok(path),
