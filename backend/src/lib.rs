@@ -25,6 +25,7 @@ use kernels::attention::FusedAttentionBackend;
 use kernels::bias_gelu::FusedBiasGeluBackend;
 use kernels::layer_norm::FusedLayerNormBackend;
 use kernels::rope::FusedRopeBackend;
+use kernels::swiglu::FusedSwigluBackend;
 
 /// What the decorator gives a backend: collectives and fused kernels. `Parallel<B>` and
 /// `Autodiff<Parallel<B>>` are decorated backends; a model written for one runs on both.
@@ -34,6 +35,7 @@ pub trait DecoratedBackend:
     + FusedBiasGeluBackend
     + FusedLayerNormBackend
     + FusedRopeBackend
+    + FusedSwigluBackend
 {
 }
 
@@ -43,5 +45,6 @@ impl<B> DecoratedBackend for B where
         + FusedBiasGeluBackend
         + FusedLayerNormBackend
         + FusedRopeBackend
+        + FusedSwigluBackend
 {
 }

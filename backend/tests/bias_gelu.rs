@@ -17,7 +17,7 @@
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
 use wildfire_backend::Parallel;
 use wildfire_backend::kernels::bias_gelu::flex;
 use wildfire_backend::kernels::bias_gelu::{
@@ -26,7 +26,8 @@ use wildfire_backend::kernels::bias_gelu::{
 };
 
 use crate::common::{
-    GELU_A, GELU_C, KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff,
+    GELU_A, GELU_C, KernelBackend, compare_to_f64, gelu, has_dtype, rounded, signed_values,
+    tensor_of, unit_roundoff,
 };
 
 const SHAPE: [usize; 3] = [2, 19, 37];
@@ -39,19 +40,16 @@ fn gelu_slope(z: f64) -> f64 {
     0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * GELU_C * (1.0 + 3.0 * GELU_A * z * z)
 }
 
-/// A deterministic stream of `count` values in [−bound, bound).
-fn values(count: usize, seed: u64, bound: f32) -> Vec<f32> {
-    uniform(count, seed)
-        .map(|unit| (unit * 2.0 - 1.0) * bound)
-        .collect()
-}
-
 /// The inputs `x`, `bias` and output gradient `dy` (f32 values), with the clamped and saturated
 /// values in the first row.
 fn inputs() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut x = values(ROWS * COLUMNS, 3, 6.0);
+    let mut x = signed_values(ROWS * COLUMNS, 3, 6.0);
     x[..3].copy_from_slice(&[-20.0, -1e4, 20.0]);
-    (x, values(COLUMNS, 5, 1.0), values(ROWS * COLUMNS, 7, 1.0))
+    (
+        x,
+        signed_values(COLUMNS, 5, 1.0),
+        signed_values(ROWS * COLUMNS, 7, 1.0),
+    )
 }
 
 /// The exact `y = g(x + b)`, `dx = dy·g'(x + b)` and `db = Σ_rows dx` from the inputs rounded to
@@ -69,33 +67,6 @@ fn exact(dtype: FloatDType) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     (y, dx, db)
 }
 
-/// `got` against `exact` elementwise, allowing `scale` times the f32 evaluation bound plus
-/// `roundoff·|e|`; the failures, described.
-fn compare(what: &str, got: TensorData, exact: &[f64], roundoff: f64, scale: f64) -> Vec<String> {
-    let got: Vec<f32> = got.convert::<f32>().to_vec().unwrap();
-    assert_eq!(got.len(), exact.len(), "{what}: length");
-    got.iter()
-        .zip(exact)
-        .enumerate()
-        .filter_map(|(i, (&g, &e))| {
-            let bound = scale * 2f64.powi(-17) * (1.0 + e.abs()) + roundoff * e.abs();
-            let error = (f64::from(g) - e).abs();
-            // A NaN error fails too.
-            let within = error <= bound;
-            (!within).then(|| format!("{what}[{i}]: {g} for {e} (bound {bound:.1e})"))
-        })
-        .take(5)
-        .collect()
-}
-
-fn tensor<B: Backend, const D: usize>(
-    values: &[f32],
-    shape: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D> {
-    Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
-}
-
 /// The two passes on primitives of backend `B`, `forward(x, b)` and `backward(x, b, dy)`: the
 /// forward in `dtype` (its output keeping that type), the input gradient in f32.
 fn passes_match_f64<B: Backend>(
@@ -105,9 +76,9 @@ fn passes_match_f64<B: Backend>(
     backward: impl Fn(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
 ) {
     let (x, bias, grad) = inputs();
-    let x = tensor::<B, 2>(&x, [ROWS, COLUMNS], device).cast(dtype);
-    let grad = tensor::<B, 2>(&grad, [ROWS, COLUMNS], device).cast(dtype);
-    let bias = tensor::<B, 1>(&bias, [COLUMNS], device);
+    let x = tensor_of::<B, 2>(&x, [ROWS, COLUMNS], device).cast(dtype);
+    let grad = tensor_of::<B, 2>(&grad, [ROWS, COLUMNS], device).cast(dtype);
+    let bias = tensor_of::<B, 1>(&bias, [COLUMNS], device);
     let primitive = |t: Tensor<B, 2>| t.into_primitive().tensor();
     let bias_primitive = bias.into_primitive().tensor();
     let y = forward(primitive(x.clone()), bias_primitive.clone());
@@ -122,14 +93,14 @@ fn passes_match_f64<B: Backend>(
     assert_eq!(dx.dtype(), DType::F32);
     let (exact_y, exact_dx, _) = exact(dtype);
     let what = format!("{} {dtype:?}", B::name(device));
-    let mut failures = compare(
+    let mut failures = compare_to_f64(
         &format!("{what} y"),
         y.into_data(),
         &exact_y,
         unit_roundoff(dtype),
         1.0,
     );
-    failures.extend(compare(
+    failures.extend(compare_to_f64(
         &format!("{what} dx"),
         dx.into_data(),
         &exact_dx,
@@ -167,9 +138,11 @@ fn autodiff_op_matches_f64<A: AutodiffBackend + FusedBiasGeluBackend>(
     dtype: FloatDType,
 ) {
     let (x, bias, grad) = inputs();
-    let x = tensor::<A, 3>(&x, SHAPE, device).cast(dtype).require_grad();
-    let bias = tensor::<A, 1>(&bias, [COLUMNS], device).require_grad();
-    let grad = tensor::<A, 3>(&grad, SHAPE, device).cast(dtype);
+    let x = tensor_of::<A, 3>(&x, SHAPE, device)
+        .cast(dtype)
+        .require_grad();
+    let bias = tensor_of::<A, 1>(&bias, [COLUMNS], device).require_grad();
+    let grad = tensor_of::<A, 3>(&grad, SHAPE, device).cast(dtype);
     let y = bias_gelu(x.clone(), bias.clone());
     assert_eq!(y.dtype(), DType::from(dtype));
     let grads = (y.clone().cast(FloatDType::F32) * grad.cast(FloatDType::F32))
@@ -182,15 +155,15 @@ fn autodiff_op_matches_f64<A: AutodiffBackend + FusedBiasGeluBackend>(
     let (exact_y, exact_dx, exact_db) = exact(dtype);
     let u = unit_roundoff(dtype);
     let what = format!("{} {dtype:?}", A::name(device));
-    let mut failures = compare(&format!("{what} y"), y.into_data(), &exact_y, u, 1.0);
-    failures.extend(compare(
+    let mut failures = compare_to_f64(&format!("{what} y"), y.into_data(), &exact_y, u, 1.0);
+    failures.extend(compare_to_f64(
         &format!("{what} dx"),
         dx.into_data(),
         &exact_dx,
         u,
         1.0,
     ));
-    failures.extend(compare(
+    failures.extend(compare_to_f64(
         &format!("{what} db"),
         db.into_data(),
         &exact_db,

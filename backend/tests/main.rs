@@ -10,4 +10,6 @@ mod common;
 mod bias_gelu;
 mod flash_attention;
 mod mixed_matmul;
+mod rope;
 mod routing;
+mod swiglu;

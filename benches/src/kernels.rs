@@ -10,8 +10,9 @@
 //! - **matmul**: the mixed-precision matmul (inputs in the compute type, f32 accumulation,
 //!   output in the compute type) against Burn's matmul in the same type, `2·m·n·k` FLOPs; and
 //!   with its bias + GELU epilogue against Burn's matmul followed by the same two ops.
-//! - **bias + GELU forward+backward**: the fused op (`kernels::bias_gelu`, one kernel each way)
-//!   against the same ops in Burn under autodiff; elementwise, so times only.
+//! - **bias + GELU, SwiGLU and RoPE forward+backward**: the fused ops (`kernels::bias_gelu`,
+//!   `kernels::swiglu`, `kernels::rope`, one kernel each way) against the same computations in
+//!   Burn ops under autodiff; elementwise, so times only.
 //!
 //! The attention forward and the plain matmul are also compared with Burn's output (`difference`:
 //! max |ours − Burn's| / max |Burn's|). With `--targets` it checks the GPU targets (attention
@@ -22,6 +23,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Error, bail};
 use burn::backend::Autodiff;
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
@@ -34,7 +36,9 @@ use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
 use wildfire_backend::kernels::probe;
+use wildfire_backend::kernels::rope::{reference as rope_reference, rope};
 use wildfire_backend::kernels::route::{cube_runtime, set_kernels_enabled};
+use wildfire_backend::kernels::swiglu::swiglu;
 
 use crate::median;
 
@@ -135,6 +139,8 @@ fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()
     }
     records.extend(matmul_records::<B>(args, device, dtype));
     records.push(bias_gelu_record::<B>(args, device, dtype));
+    records.push(swiglu_record::<B>(args, device, dtype));
+    records.push(rope_record::<B>(args, device, dtype));
     report(&records, args.json)?;
     if args.targets {
         check_targets(&records, dtype, args.peak_tflops)?;
@@ -219,11 +225,6 @@ fn attention_records<B: Backend>(
         mask * 4.0 * (args.batch * args.heads * args.head_dim) as f64 * (args.seq as f64).powi(2);
     let label = format!("{shape:?} causal {causal}");
 
-    let decorated = |t: &Tensor<B, 4>| {
-        Tensor::<Parallel<B>, 4>::from_primitive(TensorPrimitive::Float(
-            t.clone().into_primitive().tensor(),
-        ))
-    };
     let forward = alternate::<B>(
         device,
         args.rounds,
@@ -235,25 +236,25 @@ fn attention_records<B: Backend>(
         },
     );
 
-    let ours_leaf = |t: &Tensor<B, 4>| {
-        Tensor::<Autodiff<Parallel<B>>, 4>::from_inner(decorated(t)).require_grad()
-    };
-    let burn_leaf =
-        |t: &Tensor<B, 4>| Tensor::<Autodiff<B>, 4>::from_inner(t.clone()).require_grad();
     let training = alternate::<B>(
         device,
         args.rounds,
         || {
-            let out = fused_attention(ours_leaf(&q), ours_leaf(&k), ours_leaf(&v), causal);
+            let out = fused_attention(
+                decorated_leaf(&q),
+                decorated_leaf(&k),
+                decorated_leaf(&v),
+                causal,
+            );
             let _ = (out * Tensor::from_inner(decorated(&output_grad)))
                 .sum()
                 .backward();
         },
         || {
             let out = attention(
-                burn_leaf(&q),
-                burn_leaf(&k),
-                burn_leaf(&v),
+                autodiff_leaf(&q),
+                autodiff_leaf(&k),
+                autodiff_leaf(&v),
                 None,
                 None,
                 options,
@@ -362,28 +363,17 @@ fn bias_gelu_record<B: Backend>(
     let x = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
     let output_grad = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
     let bias = Tensor::<B, 1>::random([shape[1]], normal, device);
-    let decorated = |t: Tensor<B, 2>| {
-        Tensor::<Autodiff<Parallel<B>>, 2>::from_inner(Tensor::from_primitive(
-            TensorPrimitive::Float(t.into_primitive().tensor()),
-        ))
-    };
-    let decorated_bias = || {
-        Tensor::<Autodiff<Parallel<B>>, 1>::from_inner(Tensor::from_primitive(
-            TensorPrimitive::Float(bias.clone().into_primitive().tensor()),
-        ))
-        .require_grad()
-    };
     let times = alternate::<B>(
         device,
         args.rounds,
         || {
-            let y = bias_gelu(decorated(x.clone()).require_grad(), decorated_bias());
-            let _ = (y * decorated(output_grad.clone())).sum().backward();
+            let y = bias_gelu(decorated_leaf(&x), decorated_leaf(&bias));
+            let _ = (y * Tensor::from_inner(decorated(&output_grad)))
+                .sum()
+                .backward();
         },
         || {
-            let leaf = Tensor::<Autodiff<B>, 2>::from_inner(x.clone()).require_grad();
-            let bias = Tensor::<Autodiff<B>, 1>::from_inner(bias.clone()).require_grad();
-            let z = leaf.cast(FloatDType::F32) + bias.unsqueeze();
+            let z = autodiff_leaf(&x).cast(FloatDType::F32) + autodiff_leaf(&bias).unsqueeze();
             let y = gelu_tanh_f32(z).cast(dtype);
             let _ = (y * Tensor::from_inner(output_grad.clone()))
                 .sum()
@@ -391,6 +381,85 @@ fn bias_gelu_record<B: Backend>(
         },
     );
     record("bias+gelu fwd+bwd", format!("{shape:?}"), dtype, 0.0, times)
+}
+
+/// `t` as a leaf of `Autodiff<Parallel<B>>` that needs its gradient.
+fn decorated_leaf<B: Backend, const D: usize>(
+    t: &Tensor<B, D>,
+) -> Tensor<Autodiff<Parallel<B>>, D> {
+    Tensor::from_inner(decorated(t)).require_grad()
+}
+
+/// `t` as a leaf of `Autodiff<B>` that needs its gradient.
+fn autodiff_leaf<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Tensor<Autodiff<B>, D> {
+    Tensor::from_inner(t.clone()).require_grad()
+}
+
+/// The fused SwiGLU's forward and backward (`swiglu` on `Autodiff<Parallel<B>>`, one kernel each
+/// way) against Burn's `silu(g)·u` (the model's composed form) on `Autodiff<B>`, on an MLP hidden
+/// of `[matmul_size, 4·matmul_size]`. Elementwise work: no FLOPs are counted.
+fn swiglu_record<B: Backend>(args: &KernelArgs, device: &B::Device, dtype: FloatDType) -> Record {
+    let shape = [args.matmul_size, 4 * args.matmul_size];
+    let draw = || Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    let [gate, up, output_grad] = [draw(), draw(), draw()];
+    let times = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let y = swiglu(decorated_leaf(&gate), decorated_leaf(&up));
+            let _ = (y * Tensor::from_inner(decorated(&output_grad)))
+                .sum()
+                .backward();
+        },
+        || {
+            let gate = autodiff_leaf(&gate).cast(FloatDType::F32);
+            let y = silu(gate).cast(dtype) * autodiff_leaf(&up);
+            let _ = (y * Tensor::from_inner(output_grad.clone()))
+                .sum()
+                .backward();
+        },
+    );
+    record("swiglu fwd+bwd", format!("{shape:?}"), dtype, 0.0, times)
+}
+
+/// The fused rotary embedding's forward and backward (`rope` on `Autodiff<Parallel<B>>`, one
+/// kernel each way) against its reference in Burn ops on `Autodiff<B>`, on queries of
+/// `[batch, seq, heads, head_dim]`. Elementwise work: no FLOPs are counted.
+fn rope_record<B: Backend>(args: &KernelArgs, device: &B::Device, dtype: FloatDType) -> Record {
+    let shape = [args.batch, args.seq, args.heads, args.head_dim];
+    let normal = Distribution::Normal(0.0, 1.0);
+    let x = Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
+    let output_grad = Tensor::<B, 4>::random(shape, normal, device).cast(dtype);
+    let table = || Tensor::<B, 2>::random([args.seq, args.head_dim], normal, device).cast(dtype);
+    let (cos, sin) = (table(), table());
+    let times = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let tables = [&cos, &sin].map(|t| Tensor::from_inner(decorated(t)));
+            let [cos, sin] = tables;
+            let y = rope(decorated_leaf(&x), cos, sin);
+            let _ = (y * Tensor::from_inner(decorated(&output_grad)))
+                .sum()
+                .backward();
+        },
+        || {
+            let (cos, sin) = (
+                Tensor::from_inner(cos.clone()),
+                Tensor::from_inner(sin.clone()),
+            );
+            let y = rope_reference(autodiff_leaf(&x), cos, sin);
+            let _ = (y * Tensor::from_inner(output_grad.clone()))
+                .sum()
+                .backward();
+        },
+    );
+    record("rope fwd+bwd", format!("{shape:?}"), dtype, 0.0, times)
+}
+
+/// `t` on `Parallel<B>`.
+fn decorated<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Tensor<Parallel<B>, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t.clone().into_primitive().tensor()))
 }
 
 fn report(records: &[Record], json: bool) -> anyhow::Result<()> {

@@ -7,6 +7,7 @@ mod comm;
 mod data;
 mod decorator;
 mod dp;
+mod fused_ops;
 mod kernels;
 mod memory;
 mod pp;
@@ -57,6 +58,9 @@ enum Command {
     /// Peak heap and step time under activation checkpointing none, full and selective (tiny
     /// and gpt2 presets).
     Activations(activations::ActivationArgs),
+    /// Llama's fused ops (RMSNorm, RoPE, SwiGLU) one at a time against the composed Burn ops,
+    /// forward+backward time and the bytes kept for the backward, on the CPU backend.
+    FusedOps(fused_ops::FusedOpArgs),
     /// wildfire's CubeCL kernels (attention forward and forward+backward, mixed-precision matmul)
     /// against Burn's own attention and matmul on the same device (wgpu, or CUDA with `cuda`).
     Kernels(kernels::KernelArgs),
@@ -93,6 +97,7 @@ fn main() -> anyhow::Result<()> {
         Command::Pp(args) => pp::run(args),
         Command::Memory(args) => memory::run(args),
         Command::Activations(args) => activations::run(args),
+        Command::FusedOps(args) => fused_ops::run(args),
         Command::Dp(args) => dp::run(args),
         Command::Checkpoint(args) => checkpoint::run(args),
         Command::Kernels(args) => kernels::run(args),

@@ -2,11 +2,11 @@
 //! `Parallel<Flex>` runs in f32 on rayon's threads, where the reference in Burn tensor ops would
 //! compute the same values one Flex op at a time (most of them on one thread, each writing a
 //! new tensor). The loops themselves live with their ops (`attention/flex.rs`,
-//! `bias_gelu/flex.rs`, `layer_norm/flex.rs`, `matmul/flex.rs`, [`super::add`]); here are the
-//! f32 views and the single-threaded products on them (Flex's own `gemm` kernels), tensors
-//! written in parallel without zeroing, and the exponential [`exp`]: arithmetic the compiler
-//! vectorises, in loops compiled for the CPU's widest SIMD (AVX-512 or AVX2, chosen at run time
-//! by [`vectorised`]).
+//! `bias_gelu/flex.rs`, `layer_norm/flex.rs`, `matmul/flex.rs`, `rope/flex.rs`,
+//! `swiglu/flex.rs`, [`super::add`]); here are the f32 views and the single-threaded products
+//! on them (Flex's own `gemm` kernels), tensors written in parallel without zeroing, and the
+//! exponential [`exp`]: arithmetic the compiler vectorises, in loops compiled for the CPU's
+//! widest SIMD (AVX-512 or AVX2, chosen at run time by [`vectorised`]).
 //!
 //! Inputs of another type (f16, bf16) run the reference.
 
@@ -160,6 +160,31 @@ pub(crate) unsafe fn par_written<R: Send>(
     // promise); a panic in `fill` leaves the length 0.
     unsafe { values.set_len(len) };
     (values, returned)
+}
+
+/// [`par_written`] for two outputs of `len` written together: `fill(index, first, second)`
+/// writes part `index` of each (parts of `chunk` elements, the same in both).
+///
+/// # Safety
+/// `fill` must write every element of both its parts (`MaybeUninit::write`) before it returns.
+pub(crate) unsafe fn par_written_pair(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
+) -> [Vec<f32>; 2] {
+    let (mut first, mut second) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    first.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .zip(second.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)))
+        .enumerate()
+        .for_each(|(index, (first, second))| fill(index, first, second));
+    // SAFETY: both capacities are `len`, and `fill` wrote every element below it (the caller's
+    // promise); a panic in `fill` leaves the lengths 0.
+    unsafe {
+        first.set_len(len);
+        second.set_len(len);
+    }
+    [first, second]
 }
 
 /// `e^x` in f32, within 2 ulp, in arithmetic a loop over it vectorises into (the C library's

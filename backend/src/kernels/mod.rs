@@ -10,8 +10,10 @@
 //!   Flex's loops), and its autodiff op.
 //! - [`layer_norm`]: LayerNorm and RMSNorm as one op each way (reference and Flex's loops),
 //!   and their autodiff op.
-//! - [`rope`]: rotary position embeddings as one op each way (reference and Flex's loops),
-//!   keeping only its tables for the backward.
+//! - [`rope`]: rotary position embeddings as one op each way (reference, CubeCL kernel,
+//!   Flex's loops), keeping only its tables for the backward.
+//! - [`swiglu`]: the gated MLP's `silu(g) ∘ u` as one op each way (reference, CubeCL kernels,
+//!   Flex's loops), and its autodiff op.
 //! - [`matmul`]: the mixed-precision matmul (f16/bf16 inputs, f32 accumulation, bias and GELU
 //!   epilogue), kernel and reference, the matmul precision policy of `Parallel<B>`, and Flex's
 //!   f32 matmul with its output written once ([`matmul::flex`]; Flex copies each one).
@@ -34,6 +36,7 @@ pub mod probe;
 pub mod rope;
 pub mod route;
 pub mod simd;
+pub mod swiglu;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;

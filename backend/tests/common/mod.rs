@@ -1,7 +1,7 @@
 //! What the kernel tests share: the kernel backends (wgpu, and CUDA with `--features cuda`) and
 //! their devices (or a printed skip without one), the output and input gradients of an
-//! attention, the error measure, deterministic test data, rounding to a half type, GPT-2's GELU
-//! in f64, and a process of its own for a test that changes a process-wide setting.
+//! attention, the error measures, deterministic test data, rounding to a half type, GPT-2's
+//! GELU in f64, and a process of its own for a test that changes a process-wide setting.
 #![allow(dead_code)]
 
 use std::process::Command;
@@ -106,6 +106,48 @@ pub fn uniform(count: usize, seed: u64) -> impl Iterator<Item = f32> {
         state ^= state << 17;
         (state >> 40) as f32 / (1u64 << 24) as f32
     })
+}
+
+/// A deterministic stream of `count` values in [−bound, bound).
+pub fn signed_values(count: usize, seed: u64, bound: f32) -> Vec<f32> {
+    uniform(count, seed)
+        .map(|unit| (unit * 2.0 - 1.0) * bound)
+        .collect()
+}
+
+/// `got` against `exact` elementwise, allowing `scale` times the bound of an elementwise
+/// exp-and-quotient evaluated in f32, `2⁻¹⁷(1 + |e|)`, plus `roundoff·|e|` (the output type's
+/// rounding); the failures, described.
+pub fn compare_to_f64(
+    what: &str,
+    got: TensorData,
+    exact: &[f64],
+    roundoff: f64,
+    scale: f64,
+) -> Vec<String> {
+    let got: Vec<f32> = got.convert::<f32>().to_vec().unwrap();
+    assert_eq!(got.len(), exact.len(), "{what}: length");
+    got.iter()
+        .zip(exact)
+        .enumerate()
+        .filter_map(|(i, (&g, &e))| {
+            let bound = scale * 2f64.powi(-17) * (1.0 + e.abs()) + roundoff * e.abs();
+            let error = (f64::from(g) - e).abs();
+            // A NaN error fails too.
+            let within = error <= bound;
+            (!within).then(|| format!("{what}[{i}]: {g} for {e} (bound {bound:.1e})"))
+        })
+        .take(5)
+        .collect()
+}
+
+/// `values` as a tensor of `shape` on `device`.
+pub fn tensor_of<B: Backend, const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
 }
 
 /// `x` rounded to `dtype`, as f64.

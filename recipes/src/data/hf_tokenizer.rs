@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use super::tokenizer::TokenizerError;
+use super::tokenizer_error::TokenizerError;
 
 /// End-of-document tokens by the names the common families give them (Llama 3, GPT-2,
 /// Llama 2 and Mistral, Gemma): the first one the vocabulary holds separates the documents of

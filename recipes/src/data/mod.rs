@@ -8,6 +8,7 @@ mod prepare;
 mod prepared;
 mod sampler;
 mod tokenizer;
+mod tokenizer_error;
 
 pub use corpus::{BUNDLED_CORPUS_PATH, Splits, load_text};
 pub use gpt2::{GPT2_END_OF_TEXT, GPT2_VOCAB};
@@ -18,4 +19,5 @@ pub use prepared::{
     is_prepared,
 };
 pub use sampler::{Cursor, Sampler, SamplerError, SplitMix64};
-pub use tokenizer::{Tokenizer, TokenizerError, TokenizerKind, tokenizer_json};
+pub use tokenizer::{Tokenizer, TokenizerKind, tokenizer_json};
+pub use tokenizer_error::TokenizerError;

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use super::gpt2::{GPT2_VOCAB, Gpt2Bpe};
 use super::hf_tokenizer::HfTokenizer;
+use super::tokenizer_error::TokenizerError;
 use serde::{Deserialize, Serialize};
 
 /// Which tokenizer a run uses; stored in the run's config and checkpoints.
@@ -58,18 +59,6 @@ impl std::fmt::Display for TokenizerKind {
             Self::Hf => "hf",
         })
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TokenizerError {
-    #[error("character {ch:?} (U+{code:04X}) is not in the {size}-character vocabulary")]
-    UnknownChar { ch: char, code: u32, size: usize },
-    #[error("token id {id} is outside the vocabulary of {size}")]
-    UnknownId { id: u32, size: usize },
-    #[error("GPT-2 BPE tables failed to load: {0}")]
-    Bpe(String),
-    #[error("Hugging Face tokenizer {origin}: {reason}")]
-    HuggingFace { origin: String, reason: String },
 }
 
 /// A tokenizer ready to encode and decode.

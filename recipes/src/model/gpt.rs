@@ -26,6 +26,7 @@ use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::layer_norm::{
     layer_norm as fused_layer_norm, rms_norm as fused_rms_norm,
 };
+use wildfire_backend::kernels::swiglu::swiglu;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ActivationPart, ParallelEmbedding, ParallelLinear, TensorParallel, TpStyle,
@@ -220,8 +221,9 @@ pub struct Mlp<B: Backend> {
     pub gate: Option<ParallelLinear<B>>,
     pub c_proj: ParallelLinear<B>,
     pub dropout: Dropout,
-    /// Whether `c_fc`'s bias add and the GELU run as one fused op with its fused backward
-    /// ([`linear_gelu`]) rather than as decomposed ops.
+    /// Whether `c_fc`'s bias add and the GELU (GPT), or SwiGLU's `silu(g) ⊙ u` (Llama), run as
+    /// one fused op with its fused backward ([`linear_gelu`], `wildfire_backend::kernels::swiglu`)
+    /// rather than as decomposed ops.
     #[module(skip)]
     pub fused: bool,
 }
@@ -498,7 +500,8 @@ pub fn causal_attention<B: Backend>(
 impl<B: DecoratedBackend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
         let hidden = match (&self.gate, self.fused) {
-            (Some(gate), _) => in_fp32(gate.forward(x.clone()), silu) * self.c_fc.forward(x),
+            (Some(gate), true) => swiglu(gate.forward(x.clone()), self.c_fc.forward(x)),
+            (Some(gate), false) => in_fp32(gate.forward(x.clone()), silu) * self.c_fc.forward(x),
             (None, true) => linear_gelu(&self.c_fc, x),
             (None, false) => gelu_tanh(self.c_fc.forward(x)),
         };
@@ -529,6 +532,20 @@ impl<B: DecoratedBackend> Norm<B> {
                 self.eps,
             ))),
         })
+    }
+}
+
+/// SwiGLU's `silu(g) ⊙ u` on the gate and up projections, as the fused op
+/// (`wildfire_backend::kernels::swiglu`: one pass each way, computed in fp32 and rounded once)
+/// when `fused`, else as Burn ops (`silu` in fp32, the product in the inputs' type).
+pub fn gated_silu<B: DecoratedBackend>(
+    gate: Tensor<B, 3>,
+    up: Tensor<B, 3>,
+    fused: bool,
+) -> Tensor<B, 3> {
+    match fused {
+        true => swiglu(gate, up),
+        false => in_fp32(gate, silu) * up,
     }
 }
 

@@ -21,8 +21,10 @@
 //! ops exactly, at any SIMD width (an elementwise computation has no order of summation to
 //! change), forward and backward.
 //!
-//! On Flex in f32 the op is the loops of [`flex`] (positions in parallel); elsewhere the
-//! reference in Burn ops.
+//! On CubeCL backends the op is the kernel of [`cube`] (one unit per element), on Flex in f32
+//! the loops of [`flex`] (positions in parallel); elsewhere the reference in Burn ops. The
+//! kernel computes the same expression, but a GPU compiler may contract it into a fused
+//! multiply-add, so there it agrees with the composed ops within rounding, not bitwise.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -33,11 +35,14 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::route::on_flex;
+use super::route::{on_cube, on_flex};
 use super::tensor;
 use crate::Parallel;
 
+pub(crate) mod cube;
 pub mod flex;
+
+pub use cube::rope_kernel;
 
 /// A backend with the fused rotary embedding (see the module doc) on `x: [batch, seq, heads, d]`
 /// with tables `cos, sin: [seq, d]`, whose autodiff backward is the fused one.
@@ -96,10 +101,10 @@ pub fn reference<B: Backend>(
     x * table(cos) + rotated * table(sin)
 }
 
-/// The op on backend `B`: the native loops on Flex (unless opted out), the reference
-/// otherwise.
+/// The op on backend `B`: the CubeCL kernel on CubeCL backends and the native loops on Flex
+/// (unless opted out), the reference otherwise.
 fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> FloatTensor<B> {
-    match on_flex(inputs, flex::rope) {
+    match on_cube(&cube::Rope, inputs).or_else(|inputs| on_flex(inputs, flex::rope)) {
         Ok([y]) => y,
         Err([x, cos, sin]) => reference::<B>(tensor(x), tensor(cos), tensor(sin))
             .into_primitive()

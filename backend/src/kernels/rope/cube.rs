@@ -1,0 +1,116 @@
+//! The CubeCL kernel of the rotary embedding ([`super`]'s op), one unit per element, in the
+//! input's type: `y = x·cos + b·sin` with `b` the element's partner in the other half of its
+//! head, negated in the first half (`rot(x₁, x₂) = (−x₂, x₁)`).
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use crate::kernels::route::CubeKernel;
+
+/// One unit per element of `x: [batch, seq, heads, width]` (contiguous): element `(·, p, ·, c)`
+/// reads row `p` of the `[seq, width]` tables at column `c`.
+#[cube(launch_unchecked)]
+fn rope_elementwise<F: Float>(
+    x: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    seq: usize,
+    heads: usize,
+    width: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let index = ABSOLUTE_POS;
+    if index < out.len() {
+        let half = width / 2;
+        let column = index % width;
+        let position = (index / (width * heads)) % seq;
+        let table = position * width + column;
+        let mut rotated = x[index - half];
+        if column < half {
+            rotated = -x[index + half];
+        }
+        out[index] = x[index] * cos[table] + rotated * sin[table];
+    }
+}
+
+/// The kernel on `x: [batch, seq, heads, width]` and tables `[seq, width]` (one type, f32, f16
+/// or bf16 on a device that has it; `width` even): the rotated `x`; or why it does not take them.
+pub fn rope_kernel<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    cos: CubeTensor<R>,
+    sin: CubeTensor<R>,
+) -> Result<CubeTensor<R>, String> {
+    let shape = x.meta.shape().clone();
+    let dtype = x.dtype;
+    if shape.num_dims() != 4 || shape.num_elements() == 0 {
+        return Err(format!(
+            "input {shape:?} (a non-empty [batch, seq, heads, width])"
+        ));
+    }
+    let (seq, heads, width) = (shape[1], shape[2], shape[3]);
+    if !width.is_multiple_of(2) {
+        return Err(format!("heads of odd width {width}"));
+    }
+    if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
+        return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
+    }
+    if !x.client.properties().supports_type(dtype) {
+        return Err(format!("the device has no {dtype:?} arithmetic"));
+    }
+    let table_shape = Shape::new([seq, width]);
+    for table in [&cos, &sin] {
+        if *table.meta.shape() != table_shape || table.dtype != dtype {
+            return Err(format!(
+                "table {:?} {:?} for input {shape:?} {dtype:?}",
+                table.meta.shape(),
+                table.dtype
+            ));
+        }
+    }
+    let [x, cos, sin] = [x, cos, sin].map(into_contiguous);
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let out = empty_device_contiguous_dtype(client.clone(), device, shape.clone(), dtype);
+    let elements = shape.num_elements();
+    let cube_dim = CubeDim::new(&client, elements);
+    let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
+    // SAFETY: `x` and `out` are contiguous of one shape and the tables contiguous `[seq,
+    // width]` (checked); each unit below `out.len()` reads its partner `half` away inside its
+    // own head and the tables inside row `position < seq`.
+    unsafe {
+        rope_elementwise::launch_unchecked(
+            &client,
+            cubes,
+            cube_dim,
+            x.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            seq,
+            heads,
+            width,
+            dtype.into(),
+        )
+    };
+    Ok(out)
+}
+
+/// [`rope_kernel`] for the router: an error (logged) sends the call to the reference.
+pub(super) struct Rope;
+
+impl CubeKernel<3, 1> for Rope {
+    fn launch<R: CubeRuntime>(
+        &self,
+        [x, cos, sin]: [CubeTensor<R>; 3],
+    ) -> Option<[CubeTensor<R>; 1]> {
+        rope_kernel(x, cos, sin)
+            .inspect_err(|reason| log::debug!("RoPE runs the reference: {reason}"))
+            .ok()
+            .map(|y| [y])
+    }
+}

@@ -1,0 +1,181 @@
+//! The CubeCL kernels: `silu(g) ∘ u` forward and `[dg, du]` backward, one unit per element,
+//! computed in f32 and written in the inputs' type.
+
+use burn::tensor::DType;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use crate::kernels::route::CubeKernel;
+
+/// `σ(g) = 1 / (1 + e^−g)`.
+#[cube]
+fn sigmoid(gate: f32) -> f32 {
+    1.0f32 / (1.0f32 + (-gate).exp())
+}
+
+/// One unit per element: `out[i] = F(silu(g[i])·u[i])`.
+#[cube(launch_unchecked)]
+fn forward_elementwise<F: Float>(
+    gate: &Tensor<F>,
+    up: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let index = ABSOLUTE_POS;
+    if index < out.len() {
+        let g = f32::cast_from(gate[index]);
+        out[index] = F::cast_from(g * sigmoid(g) * f32::cast_from(up[index]));
+    }
+}
+
+/// One unit per element: `dg[i] = F(dy·u·σ(g)(1 + g(1 − σ(g))))`, `du[i] = F(dy·silu(g))`.
+#[cube(launch_unchecked)]
+fn backward_elementwise<F: Float>(
+    gate: &Tensor<F>,
+    up: &Tensor<F>,
+    output_grad: &Tensor<F>,
+    gate_grad: &mut Tensor<F>,
+    up_grad: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let index = ABSOLUTE_POS;
+    if index < gate_grad.len() {
+        let g = f32::cast_from(gate[index]);
+        let u = f32::cast_from(up[index]);
+        let dy = f32::cast_from(output_grad[index]);
+        let s = sigmoid(g);
+        gate_grad[index] = F::cast_from(dy * u * (s * (1.0f32 + g * (1.0f32 - s))));
+        up_grad[index] = F::cast_from(dy * (g * s));
+    }
+}
+
+/// The inputs, contiguous, once they are ones the kernels take (one shape and type, f32, f16
+/// or bf16 on a device that has it, not empty); or why not.
+fn checked<R: CubeRuntime, const N: usize>(
+    inputs: [CubeTensor<R>; N],
+) -> Result<[CubeTensor<R>; N], String> {
+    let (shape, dtype) = (inputs[0].meta.shape().clone(), inputs[0].dtype);
+    if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
+        return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
+    }
+    if !inputs[0].client.properties().supports_type(dtype) {
+        return Err(format!("the device has no {dtype:?} arithmetic"));
+    }
+    if let Some(other) = inputs
+        .iter()
+        .find(|t| *t.meta.shape() != shape || t.dtype != dtype)
+    {
+        return Err(format!(
+            "inputs {shape:?} {dtype:?} and {:?} {:?}",
+            other.meta.shape(),
+            other.dtype
+        ));
+    }
+    if shape.num_elements() == 0 {
+        return Err("no elements".into());
+    }
+    Ok(inputs.map(into_contiguous))
+}
+
+/// An empty contiguous tensor of `like`'s shape, type and device.
+fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
+    let (client, device) = (like.client.clone(), like.device.clone());
+    empty_device_contiguous_dtype(client, device, like.meta.shape().clone(), like.dtype)
+}
+
+/// The cube count and cube dim of a launch with one unit per element of `out`.
+fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let elements = out.meta.shape().num_elements();
+    let cube_dim = CubeDim::new(&out.client, elements);
+    let cubes = calculate_cube_count_elemwise(&out.client, elements, cube_dim);
+    (cubes, cube_dim)
+}
+
+/// The forward kernel on `gate` and `up` (one shape and type): `silu(g) ∘ u` in their type; or
+/// why it does not take them.
+pub fn forward_kernel<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+) -> Result<CubeTensor<R>, String> {
+    let [gate, up] = checked([gate, up])?;
+    let out = empty_like(&gate);
+    let client = gate.client.clone();
+    let (cubes, cube_dim) = elementwise_grid(&out);
+    let dtype = gate.dtype.into();
+    // SAFETY: the three tensors are contiguous with one shape (checked), and the kernel
+    // touches only indices below `out.len()`.
+    unsafe {
+        forward_elementwise::launch_unchecked(
+            &client,
+            cubes,
+            cube_dim,
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dtype,
+        )
+    };
+    Ok(out)
+}
+
+/// The backward kernel on `gate`, `up` and `output_grad` (one shape and type): `[dg, du]` in
+/// their type; or why it does not take them.
+pub fn backward_kernel<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+) -> Result<[CubeTensor<R>; 2], String> {
+    let [gate, up, output_grad] = checked([gate, up, output_grad])?;
+    let (gate_grad, up_grad) = (empty_like(&gate), empty_like(&gate));
+    let client = gate.client.clone();
+    let (cubes, cube_dim) = elementwise_grid(&gate_grad);
+    let dtype = gate.dtype.into();
+    // SAFETY: the five tensors are contiguous with one shape (checked), and the kernel touches
+    // only indices below their length.
+    unsafe {
+        backward_elementwise::launch_unchecked(
+            &client,
+            cubes,
+            cube_dim,
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            output_grad.into_tensor_arg(),
+            gate_grad.clone().into_tensor_arg(),
+            up_grad.clone().into_tensor_arg(),
+            dtype,
+        )
+    };
+    Ok([gate_grad, up_grad])
+}
+
+/// A kernel's outputs for the router: an error (logged) sends the call to the reference.
+fn routed<T>(result: Result<T, String>) -> Option<T> {
+    result
+        .inspect_err(|reason| log::debug!("SwiGLU runs the reference: {reason}"))
+        .ok()
+}
+
+/// [`forward_kernel`] for the router.
+pub(super) struct Forward;
+
+impl CubeKernel<2, 1> for Forward {
+    fn launch<R: CubeRuntime>(&self, [gate, up]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
+        routed(forward_kernel(gate, up)).map(|y| [y])
+    }
+}
+
+/// [`backward_kernel`] for the router.
+pub(super) struct Backward;
+
+impl CubeKernel<3, 2> for Backward {
+    fn launch<R: CubeRuntime>(
+        &self,
+        [gate, up, output_grad]: [CubeTensor<R>; 3],
+    ) -> Option<[CubeTensor<R>; 2]> {
+        routed(backward_kernel(gate, up, output_grad))
+    }
+}
