@@ -169,6 +169,69 @@ fn column_parallel_matches_the_serial_layer() {
     }
 }
 
+/// Key/value projections under more ranks than heads (`ColumnHeads`): 2 heads of 3 columns
+/// over 4 ranks, 1 head over 2. Rank `r` holds head `r / (p/heads)` and scores it with a
+/// coefficient tensor of its own, as its query heads would use it, so the serial layer's loss
+/// scores each head with the sum of its ranks' coefficients. The head's weight and bias
+/// gradients are then the sums over the ranks holding it, equal on each of them (the copies stay
+/// equal through an update); against the serial layer they are the same sums in another order:
+/// bitwise on integer data, within 1e-6 on float data, as the input gradient.
+#[test]
+fn column_heads_shared_by_ranks_sum_their_gradients() {
+    const HEAD: usize = 3;
+    for integer in [true, false] {
+        for (ranks, heads) in [(4, 2), (2, 1)] {
+            let n_out = heads * HEAD;
+            let share = ranks / heads;
+            let x = tensor(1, [2, 3, N_IN], integer);
+            let w = tensor(2, [N_IN, n_out], integer);
+            let b = tensor(3, [n_out], integer);
+            let coefficients = move |rank: usize| tensor(10 + rank as u64, [2, 3, HEAD], integer);
+            // The serial loss's coefficients: head j scored by the sum over its ranks'.
+            let c = (0..heads).map(|j| {
+                let sharing = (j * share..(j + 1) * share).map(coefficients);
+                sharing.reduce(|sum, c| sum + c).unwrap()
+            });
+            let c = Tensor::cat(c.collect(), 2);
+            let [_, dx, dw, db] = serial_linear(&x, &w, &b, &c);
+            let (xs, ws, bs) = (x.clone(), w.clone(), b.clone());
+            let results = threads(ranks, move |group| {
+                let style = TpStyle::ColumnHeads { heads };
+                let layer =
+                    ParallelLinear::split_from(fresh(&ws), Some(fresh(&bs)), style, &group, None);
+                let x = fresh(&xs).require_grad();
+                let y = layer.forward(x.clone());
+                let grads = (y * coefficients(group.rank())).sum().backward();
+                let dw = layer.weight.val().grad(&grads).unwrap();
+                let db = layer.bias.as_ref().unwrap().val().grad(&grads).unwrap();
+                (data(x.grad(&grads).unwrap()), data(dw), data(db))
+            });
+            for (rank, (dx_r, dw_r, db_r)) in results.iter().enumerate() {
+                let head = rank / share;
+                let cols: Vec<usize> = (head * HEAD..(head + 1) * HEAD).collect();
+                let what =
+                    format!("{heads} heads over {ranks} ranks, rank {rank}, integer {integer}");
+                let first = &results[head * share];
+                assert_eq!(
+                    (dw_r, db_r),
+                    (&first.1, &first.2),
+                    "{what}: copies' gradients"
+                );
+                let (serial_dw, serial_db) = (pick(&dw, n_out, &cols), pick(&db, n_out, &cols));
+                if integer {
+                    assert_eq!(dw_r, &serial_dw, "{what}: weight gradient");
+                    assert_eq!(db_r, &serial_db, "{what}: bias gradient");
+                    assert_eq!(dx_r, &dx, "{what}: input gradient");
+                } else {
+                    assert_close(dw_r, &serial_dw, 1e-6, &format!("{what}: weight gradient"));
+                    assert_close(db_r, &serial_db, 1e-6, &format!("{what}: bias gradient"));
+                    assert_close(dx_r, &dx, 1e-6, &format!("{what}: input gradient"));
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn row_parallel_matches_the_serial_layer() {
     let n_in = 7;

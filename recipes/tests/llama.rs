@@ -323,8 +323,9 @@ fn llama_with_a_hugging_face_tokenizer_trains_exports_and_generates() {
 
 /// DDP (4 thread ranks, one micro-batch each) and a 2-stage pipeline (1F1B, thread ranks)
 /// train bitwise like serial training; ZeRO 3 at dp 2 like DDP at dp 2 within 1e-5; tensor
-/// parallelism at tp 2 with sequence parallelism (processes) like serial within
-/// [`SUMMATION_ORDER`]. 10 steps, parameters compared after every step.
+/// parallelism with sequence parallelism (processes) like serial within [`SUMMATION_ORDER`],
+/// at tp 2 (each rank holds one of the 2 key/value heads) and at tp 4 (ranks 0–1 share key/value
+/// head 0, ranks 2–3 head 1). 10 steps, parameters compared after every step.
 #[test]
 fn llama_trains_like_serial_under_every_layout() {
     let serial = llama_run("llama-serial", &[]);
@@ -349,6 +350,12 @@ fn llama_trains_like_serial_under_every_layout() {
     let out = launch(2, 29740, &args);
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
     assert_trains_like(&serial, &dir, "llama tp 2 sp");
+
+    let dir = run_dir("llama-tp4-sp");
+    let args = llama_args(&dir, &["--tp", "4", "--sequence-parallel"]);
+    let out = launch(4, 29743, &args);
+    assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    assert_trains_like(&serial, &dir, "llama tp 4 sp, key/value heads shared");
 }
 
 /// Layouts the Llama model cannot take are refused before training, naming the numbers.
@@ -381,12 +388,26 @@ fn llama_layouts_it_cannot_split_are_named() {
             ),
         ],
     );
-    let dir = run_dir("llama-refused-tp4");
-    let out = launch(4, 29741, &llama_args(&dir, &["--tp", "4"]));
-    assert!(!out.status.success(), "tp 4 succeeded");
-    let expected = "model.n_kv_head = 2 is not divisible by parallel.tp = 4";
+    // 3 key/value heads over 2 ranks: neither whole heads per rank nor a head shared by ranks.
+    let dir = run_dir("llama-refused-kv3-tp2");
+    let sizes = [
+        "--set",
+        "model.n_head=6",
+        "--set",
+        "model.n_kv_head=3",
+        "--set",
+        "model.d_model=96",
+        "--tp",
+        "2",
+    ];
+    let out = launch(2, 29744, &llama_args(&dir, &sizes));
+    assert!(!out.status.success(), "3 key/value heads at tp 2 succeeded");
+    let expected = "model.n_kv_head = 3 and parallel.tp = 2 do not divide one another";
     assert!(text(&out).contains(expected), "{}", text(&out));
-    assert!(!dir.join("metrics.jsonl").exists(), "tp 4 wrote metrics");
+    assert!(
+        !dir.join("metrics.jsonl").exists(),
+        "the refused run wrote metrics"
+    );
 }
 
 /// Llama 3's published sizes, and every built model's parameters counted as the formula does.

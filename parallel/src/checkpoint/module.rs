@@ -69,12 +69,12 @@ impl ModuleLayout {
     }
 
     /// Whether this rank stores parameter `path` (and its optimizer state): its part of a split
-    /// one; a whole one only on the first tensor-parallel rank (the others hold copies); never
-    /// a copy of another parameter ([`Self::with_copy`]).
+    /// one, and a whole one or a part other ranks hold too only on the first of those ranks
+    /// ([`TpPlan::holds_first_copy`]); never a copy of another parameter ([`Self::with_copy`]).
     pub fn stores(&self, path: &str) -> Result<bool, CheckpointError> {
         let dims = self.shape(path)?.len();
         let copy = self.copies.contains_key(path);
-        Ok(!copy && (self.plan.rank == 0 || self.plan.is_split(path, dims)))
+        Ok(!copy && self.plan.holds_first_copy(path, dims))
     }
 
     /// This rank's part `data` of parameter `path` as the slices stored under `stored` (the

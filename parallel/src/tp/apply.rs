@@ -123,7 +123,10 @@ fn check_layers(
             continue;
         };
         let needed = match style {
-            TpStyle::Column { .. } | TpStyle::Row | TpStyle::VocabColumns => Layer::Linear,
+            TpStyle::Column { .. }
+            | TpStyle::ColumnHeads { .. }
+            | TpStyle::Row
+            | TpStyle::VocabColumns => Layer::Linear,
             TpStyle::VocabRows => Layer::Embedding,
             TpStyle::Replicated | TpStyle::SequenceRegion => *layer,
         };

@@ -18,6 +18,11 @@
 //!   identity backward, since every rank then holds the same `∂L/∂Y`). The bias is added once,
 //!   after the sum. The sum's order differs from the serial dot product's, so outputs agree
 //!   with the serial layer within rounding (`~ n_in · ε · |x||a|`), not bitwise.
+//! - **Column-parallel by heads, fewer heads than ranks** ([`TpStyle::ColumnHeads`], `h` heads
+//!   of columns `A_j`): `p/h` ranks hold each `A_j`, and rank `r` computes `Y_r = X A_{j(r)}` for
+//!   its own query heads, so `∂L/∂A_j = Σ_{r: j(r) = j} Xᵀ ∂L/∂Y_r` is summed over the ranks
+//!   holding `A_j` in the backward. The input's gradient `Σ_r ∂L/∂Y_r A_{j(r)}ᵀ` is `f`'s
+//!   all-reduce, as for any column split.
 //! - **Vocabulary-parallel embedding** (`E: [V, d]` by rows): rank `r` holds rows
 //!   `[s_r, e_r)`, looks up the ids in its range (others give zero rows) and the lookups are
 //!   all-reduced (`g`). Exactly one rank contributes each row, so the sum is exact.
@@ -38,6 +43,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::linear;
+use burn::tensor::ops::PadMode;
 use burn::tensor::{FloatDType, Int, Tensor};
 use wildfire_backend::collective::{
     self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
@@ -132,7 +138,7 @@ impl<B: CollectiveBackend> ParallelLinear<B> {
         x: Tensor<B, D>,
         epilogue: impl FnOnce(Tensor<B, D>, Option<Tensor<B, 1>>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
-        let bias = self.bias.as_ref().map(Param::val);
+        let bias = (self.bias.as_ref()).map(|b| self.summed_over_copies(b.val(), "bias"));
         let (Some(group), Some(style)) = (self.tp.group(), self.tp.style()) else {
             return epilogue(self.product(x), bias);
         };
@@ -147,7 +153,7 @@ impl<B: CollectiveBackend> ParallelLinear<B> {
                 return epilogue(collective(y), bias);
             }
             TpStyle::Column { gather_output, .. } => gather_output,
-            TpStyle::VocabColumns => false,
+            TpStyle::ColumnHeads { .. } | TpStyle::VocabColumns => false,
             _ => return epilogue(self.product(x), bias),
         };
         let x = match sequence_dim {
@@ -164,8 +170,42 @@ impl<B: CollectiveBackend> ParallelLinear<B> {
     /// `XA` (this rank's weight) in `X`'s type.
     fn product<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dtype = FloatDType::from(x.dtype());
-        linear(x, in_dtype(self.weight.val(), dtype), None)
+        let weight = self.summed_over_copies(self.weight.val(), "weight");
+        linear(x, in_dtype(weight, dtype), None)
     }
+
+    /// The value of parameter `name` (`weight` or `bias`) as the layer uses it: where other
+    /// ranks hold copies of the same part (a [`TpStyle::ColumnHeads`] with fewer heads than
+    /// ranks), through [`sum_over_copies`]; else as it is.
+    fn summed_over_copies<const D: usize>(&self, value: Tensor<B, D>, name: &str) -> Tensor<B, D> {
+        let (Some(group), Some(style)) = (self.tp.group(), self.tp.style()) else {
+            return value;
+        };
+        let plan = TpPlan::new(&[("layer", style)], group.rank(), group.size());
+        match plan.shared_part(&format!("layer.{name}"), D) {
+            Some(part) => collective(sum_over_copies(value, part, group)),
+            None => value,
+        }
+    }
+}
+
+/// `value`, part `part` of `parts` equal parts along `dim` of a whole tensor whose parts the
+/// ranks of `group` hold in copies, made so that its gradient becomes the sum of the gradients
+/// of every rank holding the same part: padded with zeros to the whole tensor, passed through
+/// `f` (identity forward, all-reduce backward) and cut out again. The other parts' places hold
+/// zeros, which add exactly, so each part's sum is over its copies alone; every rank receives
+/// the same sums, so the copies stay equal through an update.
+fn sum_over_copies<B: CollectiveBackend, const D: usize>(
+    value: Tensor<B, D>,
+    (dim, part, parts): (usize, usize, usize),
+    group: &ProcessGroup,
+) -> Result<Tensor<B, D>, CommError> {
+    let width = value.dims()[dim];
+    let mut padding = [(0, 0); D];
+    padding[dim] = (part * width, (parts - 1 - part) * width);
+    let whole = value.pad(padding, PadMode::Constant(0.0));
+    let whole = copy_to_parallel_region(whole, group)?;
+    Ok(whole.narrow(dim, part * width, width))
 }
 
 /// An embedding table `E: [V, d]` that a tensor-parallel plan may split by vocabulary rows (see

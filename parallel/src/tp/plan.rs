@@ -31,6 +31,13 @@ pub enum TpStyle {
     /// column-parallel, its logits left split for [`super::vocab_parallel_cross_entropy`]. As
     /// for [`TpStyle::VocabRows`], the vocabulary need not divide.
     VocabColumns,
+    /// A [`super::ParallelLinear`] split by output columns in whole `heads` of equal width
+    /// (grouped-query attention's key/value projections). Where `p` divides `heads`, rank `r`
+    /// holds its `heads/p` of them, as [`TpStyle::COLUMN`]. Where `heads` divides `p` (fewer
+    /// heads than ranks, as inference engines do), each head is held by `p/heads` ranks: rank `r`
+    /// holds head `r/(p/heads)`, and the gradient of a head's weight is the sum of those ranks'
+    /// (each computes only its own query heads' share). Any other pair is refused.
+    ColumnHeads { heads: usize },
     /// Whole on every rank.
     Replicated,
     /// Whole on every rank, applied inside the sequence-parallel region (a LayerNorm): under
@@ -52,6 +59,7 @@ impl fmt::Display for TpStyle {
         match self {
             Self::Column { sections: 1, .. } => write!(f, "column-parallel"),
             Self::Column { sections, .. } => write!(f, "column-parallel in {sections} sections"),
+            Self::ColumnHeads { heads } => write!(f, "column-parallel by {heads} heads"),
             Self::Row => write!(f, "row-parallel"),
             Self::VocabRows => write!(f, "vocabulary-parallel by rows"),
             Self::VocabColumns => write!(f, "vocabulary-parallel by columns"),
@@ -96,6 +104,16 @@ pub enum PlanError {
         dim: usize,
         len: usize,
         multiple: usize,
+    },
+    #[error(
+        "parameter `{path}` holds {heads} heads, which cannot be split over {tp} ranks: each \
+         rank holds whole heads (tp dividing the heads) or one head shared with other ranks \
+         (the heads dividing tp), and neither {heads} nor {tp} divides the other"
+    )]
+    HeadsAndRanks {
+        path: String,
+        heads: usize,
+        tp: usize,
     },
     #[error(
         "parameter `{path}` of shape {shape:?} cannot be split {style}: that style splits \
@@ -237,6 +255,16 @@ impl TpPlan {
             (TpStyle::Replicated | TpStyle::SequenceRegion, _) => return Ok(()),
             (TpStyle::Column { sections, .. }, 1 | 2) => (shape.len() - 1, sections * self.size),
             (TpStyle::VocabColumns, 1 | 2) => (shape.len() - 1, self.size),
+            (TpStyle::ColumnHeads { heads }, 1 | 2) => {
+                if !heads.is_multiple_of(self.size) && !self.size.is_multiple_of(heads) {
+                    return Err(PlanError::HeadsAndRanks {
+                        path: path.to_string(),
+                        heads,
+                        tp: self.size,
+                    });
+                }
+                (shape.len() - 1, heads)
+            }
             (TpStyle::Row, 2) | (TpStyle::VocabRows, 2) => (0, self.size),
             (TpStyle::Row, 1) => return Ok(()),
             _ => {
@@ -263,31 +291,66 @@ impl TpPlan {
         })
     }
 
-    /// The dimension along which parameter `path` of rank `dims` is split, and in how many
-    /// equal sections; `None` when every rank holds it whole.
-    fn split(&self, path: &str, dims: usize) -> Option<(usize, usize)> {
+    /// How parameter `path` of rank `dims` is cut; `None` when every rank holds it whole.
+    fn cut(&self, path: &str, dims: usize) -> Option<Cut> {
         if self.size == 1 {
             return None;
         }
-        match (self.style(path)?, dims) {
-            (TpStyle::Column { sections, .. }, 2) => Some((1, sections)),
-            (TpStyle::Column { sections, .. }, 1) => Some((0, sections)),
-            (TpStyle::VocabColumns, 2) => Some((1, 1)),
-            (TpStyle::VocabColumns, 1) => Some((0, 1)),
-            (TpStyle::Row | TpStyle::VocabRows, 2) => Some((0, 1)),
-            _ => None,
-        }
+        let style = self.style(path)?;
+        let dim = match (style, dims) {
+            (TpStyle::Column { .. } | TpStyle::ColumnHeads { .. } | TpStyle::VocabColumns, 1) => 0,
+            (TpStyle::Column { .. } | TpStyle::ColumnHeads { .. } | TpStyle::VocabColumns, 2) => 1,
+            (TpStyle::Row | TpStyle::VocabRows, 2) => 0,
+            _ => return None,
+        };
+        let sections = match style {
+            TpStyle::Column { sections, .. } => sections,
+            _ => 1,
+        };
+        let parts = match style {
+            TpStyle::ColumnHeads { heads } if heads < self.size => heads,
+            _ => self.size,
+        };
+        Some(Cut {
+            dim,
+            sections,
+            part: self.rank / (self.size / parts),
+            parts,
+        })
     }
 
     /// The dimension along which parameter `path` (of rank `dims`) is split; `None` when every
     /// rank holds it whole.
     pub fn split_dim(&self, path: &str, dims: usize) -> Option<usize> {
-        self.split(path, dims).map(|(dim, _)| dim)
+        self.cut(path, dims).map(|cut| cut.dim)
     }
 
-    /// Whether every rank holds a different part of parameter `path` (of rank `dims`).
+    /// Whether the plan cuts parameter `path` (of rank `dims`): every rank holds a part of it,
+    /// a different one unless a [`TpStyle::ColumnHeads`] has fewer heads than ranks.
     pub fn is_split(&self, path: &str, dims: usize) -> bool {
-        self.split(path, dims).is_some()
+        self.cut(path, dims).is_some()
+    }
+
+    /// How many ranks of the group hold the same part of parameter `path` (of rank `dims`) as
+    /// this one: all of them for a parameter held whole, `p/heads` for a head of a
+    /// [`TpStyle::ColumnHeads`] with fewer heads than ranks, else 1.
+    pub fn replicas(&self, path: &str, dims: usize) -> usize {
+        self.cut(path, dims)
+            .map_or(self.size, |cut| self.size / cut.parts)
+    }
+
+    /// Whether this rank holds the first copy of what it holds of parameter `path` (of rank
+    /// `dims`): the copy a checkpoint stores and a gradient norm counts, once.
+    pub fn holds_first_copy(&self, path: &str, dims: usize) -> bool {
+        self.rank.is_multiple_of(self.replicas(path, dims))
+    }
+
+    /// This rank's part of parameter `path` (of rank `dims`) when other ranks hold the same
+    /// part: `(dim, part, parts)`, the whole cut into `parts` equal parts along `dim`, of which
+    /// this rank holds `part`. `None` when no other rank holds it, or every rank does whole.
+    pub fn shared_part(&self, path: &str, dims: usize) -> Option<(usize, usize, usize)> {
+        let cut = self.cut(path, dims)?;
+        (cut.parts < self.size).then_some((cut.dim, cut.part, cut.parts))
     }
 
     /// Whether, under sequence parallelism, this rank's gradient of the whole parameter `path`
@@ -310,10 +373,11 @@ impl TpPlan {
             offset: vec![0; global.len()],
             shape: global.to_vec(),
         };
-        let Some((dim, sections)) = self.split(path, global.len()) else {
+        let Some(cut) = self.cut(path, global.len()) else {
             return vec![whole];
         };
-        section_parts(global[dim], sections, self.rank, self.size)
+        let dim = cut.dim;
+        section_parts(global[dim], cut.sections, cut.part, cut.parts)
             .into_iter()
             .map(|part| {
                 let mut tensor_box = whole.clone();
@@ -331,11 +395,22 @@ impl TpPlan {
         path: &str,
         full: Tensor<B, D>,
     ) -> Tensor<B, D> {
-        match self.split(path, D) {
-            Some((dim, sections)) => rank_part(full, dim, sections, (self.rank, self.size)),
+        match self.cut(path, D) {
+            Some(cut) => rank_part(full, cut.dim, cut.sections, (cut.part, cut.parts)),
             None => full,
         }
     }
+}
+
+/// How the plan cuts a parameter: along `dim`, in `sections` equal sections (3 for a fused QKV
+/// projection), each cut into `parts` parts of which this rank holds `part` (its rank, unless
+/// fewer heads than ranks make ranks share parts).
+#[derive(Debug, Clone, Copy)]
+struct Cut {
+    dim: usize,
+    sections: usize,
+    part: usize,
+    parts: usize,
 }
 
 /// What rank `rank` of `size` holds of a dimension of `len` entries cut into `sections` equal
@@ -452,6 +527,46 @@ mod tests {
         assert_eq!(
             first_row,
             [3.0, 4.0, 5.0, 9.0, 10.0, 11.0, 15.0, 16.0, 17.0]
+        );
+    }
+
+    /// With fewer heads than ranks, ranks share a head: 2 heads of 4 columns over 4 ranks put
+    /// head 0 on ranks 0 and 1, head 1 on ranks 2 and 3, each stored and counted by the first of
+    /// its ranks; with more heads than ranks it is a column split.
+    #[test]
+    fn ranks_share_heads_where_there_are_fewer_heads_than_ranks() {
+        let rules = [("attn.k_proj", TpStyle::ColumnHeads { heads: 2 })];
+        let global = [6, 8];
+        for (rank, offset, first) in [(0, 0, true), (1, 0, false), (2, 4, true), (3, 4, false)] {
+            let plan = TpPlan::new(&rules, rank, 4);
+            let expected = TensorBox {
+                offset: vec![0, offset],
+                shape: vec![6, 4],
+            };
+            assert_eq!(plan.boxes("attn.k_proj.weight", &global), [expected]);
+            assert_eq!(plan.replicas("attn.k_proj.weight", 2), 2);
+            assert_eq!(plan.holds_first_copy("attn.k_proj.weight", 2), first);
+            assert_eq!(
+                plan.shared_part("attn.k_proj.bias", 1),
+                Some((0, rank / 2, 2))
+            );
+        }
+        let split = TpPlan::new(&rules, 1, 2);
+        assert_eq!(split.boxes("attn.k_proj.weight", &global)[0].offset, [0, 4]);
+        assert_eq!(split.replicas("attn.k_proj.weight", 2), 1);
+        assert_eq!(split.shared_part("attn.k_proj.weight", 2), None);
+        let whole = TpPlan::new(&rules, 3, 4);
+        assert_eq!(whole.replicas("attn.q_proj.weight", 2), 4);
+        assert!(!whole.holds_first_copy("attn.q_proj.weight", 2));
+
+        let model = params(&[("attn.k_proj.weight", &[6, 8])]);
+        assert_eq!(TpPlan::new(&rules, 0, 4).check(&model), Ok(()));
+        let error = TpPlan::new(&rules, 0, 3).check(&model).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "parameter `attn.k_proj.weight` holds 2 heads, which cannot be split over 3 ranks: \
+             each rank holds whole heads (tp dividing the heads) or one head shared with other \
+             ranks (the heads dividing tp), and neither 2 nor 3 divides the other"
         );
     }
 

@@ -87,7 +87,7 @@ impl<B: Backend> TensorParallel<B> {
         self.group()?;
         let style = self.applied.as_ref()?.style?;
         let split = match style {
-            TpStyle::Column { .. } | TpStyle::Row => true,
+            TpStyle::Column { .. } | TpStyle::ColumnHeads { .. } | TpStyle::Row => true,
             TpStyle::VocabRows | TpStyle::VocabColumns => true,
             TpStyle::Replicated | TpStyle::SequenceRegion => false,
         };

@@ -48,7 +48,7 @@ use wildfire_parallel::precision::DynamicLossScaler;
 use crate::config::RunConfig;
 use crate::data::{Cursor, TokenizerKind};
 use crate::model::params::{ParamFn, collect_params, global_paths};
-use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, TP_PLAN};
+use crate::model::{Gpt, GptChunks, GptConfig, TIED_COPY, tp_rules};
 use crate::optim::{GptOptimizer, MatrixDecayAdamW, Optimizers};
 
 /// The non-tensor part of a checkpoint (the manifest's `state`).
@@ -233,7 +233,8 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             params.insert(name, data);
         }
     }
-    let mut moments = join_tensor_parallel_parts(moments, &params, TP_PLAN)?;
+    let rules = tp_rules(&state.model);
+    let mut moments = join_tensor_parallel_parts(moments, &params, &rules)?;
     // The manifest keeps AdamW's step counts; the library reads them as tensors.
     for (name, &time) in &state.optimizer_steps {
         let time = TensorData::new(vec![time as i64], [1]);

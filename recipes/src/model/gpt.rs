@@ -42,7 +42,8 @@ const INIT_STD: f64 = 0.02;
 /// The tensor-parallel plan of both model kinds (Megatron-LM's): attention split by heads (GPT's
 /// fused QKV projection column-parallel per section, so each rank gets the same heads of Q, K
 /// and V; Llama's Q, K and V projections each column-parallel, so a rank holds the key/value
-/// heads its query heads use; the output projection row-parallel), the MLP column- then
+/// heads its query heads use, or shares one with other ranks where it has fewer than ranks: see
+/// [`tp_rules`]; the output projection row-parallel), the MLP column- then
 /// row-parallel (Llama's gate as its `c_fc`), the vocabulary split in the token embedding and
 /// the LM head (and in a tied head's copy of the embedding), the norms in the
 /// sequence-parallel region (the sequence is dimension 1 of the residual stream,
@@ -72,14 +73,28 @@ pub const TP_PLAN: &[(&str, TpStyle)] = &[
     ("head.wte", TpStyle::VocabRows),
 ];
 
-/// [`TP_PLAN`]'s rules that name parameters of the whole model of `config`, the plan to split it
-/// by (before a pipeline split): the rules of its kind's layers, without `head.wte`, the copy of
+/// [`TP_PLAN`] for the model of `config`: Llama's key/value projections split by its
+/// key/value heads (whole heads per rank where the tensor-parallel degree divides them, as
+/// `TP_PLAN`'s column split; a head shared by several ranks where they divide it).
+pub fn tp_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
+    let kv_heads = TpStyle::ColumnHeads {
+        heads: config.n_kv_head,
+    };
+    let rule = |&(path, style): &(&'static str, TpStyle)| match path {
+        "blocks.*.attn.k_proj" | "blocks.*.attn.v_proj" => (path, kv_heads),
+        _ => (path, style),
+    };
+    TP_PLAN.iter().map(rule).collect()
+}
+
+/// [`tp_rules`] that name parameters of the whole model of `config`, the plan to split it by
+/// (before a pipeline split): the rules of its kind's layers, without `head.wte`, the copy of
 /// the table a pipeline split gives a tied head on another stage (made from the already split
 /// table), and without `head.lm_head` where the head is tied.
 pub fn whole_model_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
     let llama = config.kind == ModelKind::Llama;
-    TP_PLAN
-        .iter()
+    tp_rules(config)
+        .into_iter()
         .filter(|(path, _)| match *path {
             "head.wte" => false,
             "head.lm_head" => !config.tie_embeddings,
@@ -88,7 +103,6 @@ pub fn whole_model_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
             "blocks.*.mlp.gate" => llama,
             _ => true,
         })
-        .copied()
         .collect()
 }
 
@@ -436,8 +450,9 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
     }
 
     /// Llama's [`Self::sections`]: projected, Q and K rotated, and each key/value head
-    /// repeated for the `g` query heads it serves (a rank's query heads use exactly its
-    /// key/value heads, as both are split in head order).
+    /// repeated for the query heads it serves (a rank's query heads use exactly its key/value
+    /// heads, as both are split in head order, or the one key/value head it shares with other
+    /// ranks where there are fewer than ranks).
     fn grouped_sections(&self, x: Tensor<B, 3>, d_head: usize, start: usize) -> Tensor<B, 4> {
         let project = |layer: &Option<ParallelLinear<B>>| {
             let y = layer
@@ -460,7 +475,9 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             rotary.apply(q, start, self.fused),
             rotary.apply(k, start, self.fused),
         );
-        let group = self.n_head / self.n_kv_head;
+        // This rank's query heads per key/value head: `n_head / n_kv_head` where the plan
+        // splits both, all its query heads where ranks share one key/value head.
+        let group = q.dims()[2] / k.dims()[2];
         Tensor::cat(vec![q, repeat_heads(k, group), repeat_heads(v, group)], 2)
     }
 }

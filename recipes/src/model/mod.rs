@@ -23,7 +23,7 @@ pub mod rope;
 pub use chunks::{GptChunks, stage_specs};
 pub use gpt::{
     Block, CausalSelfAttention, Embeddings, Gpt, Head, Mlp, Norm, SEQUENCE_DIM, TIED_COPY,
-    TOKEN_EMBEDDING, TP_PLAN, causal_attention, cross_entropy_sum, gated_silu, gelu_tanh,
+    TOKEN_EMBEDDING, TP_PLAN, causal_attention, cross_entropy_sum, gated_silu, gelu_tanh, tp_rules,
     whole_model_rules,
 };
 pub use kv_cache::KvCache;

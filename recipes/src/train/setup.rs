@@ -47,7 +47,7 @@ use crate::logging::{
     Bubble, GradNorm, LogRenderer, Loss, MetricsSink, Mfu, StepScalar, TokensPerSec,
 };
 use crate::model::{
-    Gpt, GptChunks, GptConfig, SEQUENCE_DIM, StageSpec, TIED_COPY, TOKEN_EMBEDDING, TP_PLAN,
+    Gpt, GptChunks, GptConfig, SEQUENCE_DIM, StageSpec, TIED_COPY, TOKEN_EMBEDDING, tp_rules,
     whole_model_rules,
 };
 use crate::optim::{MatrixDecayAdamW, WarmupCosine};
@@ -551,12 +551,12 @@ fn check_model_settings<B: TrainBackend>(
     dims: ParallelDims,
 ) -> anyhow::Result<()> {
     dims.check_tensor_parallel(model.n_head, model.context)?;
-    if !model.n_kv_head.is_multiple_of(dims.tp) {
+    let (kv_heads, tp) = (model.n_kv_head, dims.tp);
+    if !kv_heads.is_multiple_of(tp) && !tp.is_multiple_of(kv_heads) {
         bail!(
-            "model.n_kv_head = {} is not divisible by parallel.tp = {}: each rank holds whole \
-             key/value heads (replicating them across ranks is not supported)",
-            model.n_kv_head,
-            dims.tp
+            "model.n_kv_head = {kv_heads} and parallel.tp = {tp} do not divide one another: \
+             each rank holds whole key/value heads (tp dividing them) or one key/value head \
+             shared with other ranks (they dividing tp)"
         );
     }
     let checkpointing = config.train.activation_checkpointing;
@@ -690,7 +690,8 @@ fn build_model<B: TrainBackend>(
     let tensor = mesh.tensor();
     let (tp_rank, tp_size) = (tensor.rank(), tensor.size());
     let sequence_dim = config.parallel.sequence_parallel.then_some(SEQUENCE_DIM);
-    let tp_plan = TpPlan::new(TP_PLAN, tp_rank, tp_size).with_sequence_parallel(sequence_dim);
+    let rules = tp_rules(model_config);
+    let tp_plan = TpPlan::new(&rules, tp_rank, tp_size).with_sequence_parallel(sequence_dim);
     // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
     // the model and making its parameters (which registers them) happen under the pipeline's
     // lock, so every rank draws the same model and no graph is cleaned meanwhile.

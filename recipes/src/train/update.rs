@@ -29,17 +29,15 @@ pub fn zero_layout<B: AutodiffBackend>(
 }
 
 /// The parameters of `model` whose gradients another rank of its replica puts into the norm:
-/// the head's copy of the tied embedding (the embedding's is counted), and, on every
-/// tensor-parallel rank but the first, the parameters all of them hold whole.
+/// the head's copy of the tied embedding (the embedding's is counted), and the parameters (or
+/// parts) other tensor-parallel ranks hold too, on every one of those ranks but the first.
 pub fn counted_elsewhere<B: AutodiffBackend>(
     model: &GptChunks<B>,
     layout: &ModuleLayout,
 ) -> Vec<ParamId> {
     let plan = &layout.plan;
     model
-        .param_ids_where(|name, dims| {
-            name == TIED_COPY || (plan.rank > 0 && !plan.is_split(name, dims))
-        })
+        .param_ids_where(|name, dims| name == TIED_COPY || !plan.holds_first_copy(name, dims))
         .into_iter()
         .map(|(id, _)| id)
         .collect()
