@@ -1,4 +1,4 @@
-//! The backend's integration tests: the fused kernels against their references on Flex and Wgpu,
+//! The backend's integration tests: the fused kernels against their references (or f64) on Flex and Wgpu,
 //! and the decorator's routing.
 //!
 //! One test binary for the crate, its files as modules: every integration-test binary links Burn,
@@ -9,6 +9,7 @@ mod common;
 
 mod bias_gelu;
 mod flash_attention;
+mod layer_norm;
 mod mixed_matmul;
 mod rope;
 mod routing;

@@ -13,6 +13,8 @@
 //! - **bias + GELU, SwiGLU and RoPE forward+backward**: the fused ops (`kernels::bias_gelu`,
 //!   `kernels::swiglu`, `kernels::rope`, one kernel each way) against the same computations in
 //!   Burn ops under autodiff; elementwise, so times only.
+//! - **LayerNorm and RMSNorm forward+backward**: `kernels::layer_norm` (one kernel forward,
+//!   three backward) against Burn's `LayerNorm` and `RmsNorm` modules under autodiff.
 //!
 //! The attention forward and the plain matmul are also compared with Burn's output (`difference`:
 //! max |ours − Burn's| / max |Burn's|). With `--targets` it checks the GPU targets (attention
@@ -23,6 +25,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Error, bail};
 use burn::backend::Autodiff;
+use burn::module::Param;
+use burn::nn::{LayerNormConfig, RmsNormConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
@@ -34,6 +38,7 @@ use wildfire_backend::Parallel;
 use wildfire_backend::kernels::attention::fused_attention;
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
+use wildfire_backend::kernels::layer_norm::{layer_norm, rms_norm};
 use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
 use wildfire_backend::kernels::probe;
 use wildfire_backend::kernels::rope::{reference as rope_reference, rope};
@@ -141,6 +146,9 @@ fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()
     records.push(bias_gelu_record::<B>(args, device, dtype));
     records.push(swiglu_record::<B>(args, device, dtype));
     records.push(rope_record::<B>(args, device, dtype));
+    for centred in [true, false] {
+        records.push(norm_record::<B>(args, device, dtype, centred));
+    }
     report(&records, args.json)?;
     if args.targets {
         check_targets(&records, dtype, args.peak_tflops)?;
@@ -455,6 +463,65 @@ fn rope_record<B: Backend>(args: &KernelArgs, device: &B::Device, dtype: FloatDT
         },
     );
     record("rope fwd+bwd", format!("{shape:?}"), dtype, 0.0, times)
+}
+
+/// The fused LayerNorm (`centred`) or RMSNorm forward and backward (`kernels::layer_norm` on
+/// `Autodiff<Parallel<B>>`) against Burn's `LayerNorm` or `RmsNorm` module on `Autodiff<B>`,
+/// on `[batch·seq, heads·head_dim]` activations, `γ` (and `β`) needing gradients too.
+fn norm_record<B: Backend>(
+    args: &KernelArgs,
+    device: &B::Device,
+    dtype: FloatDType,
+    centred: bool,
+) -> Record {
+    const EPSILON: f64 = 1e-5;
+    let shape = [args.batch * args.seq, args.heads * args.head_dim];
+    let normal = Distribution::Normal(0.0, 1.0);
+    let x = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
+    let output_grad = Tensor::<B, 2>::random(shape, normal, device).cast(dtype);
+    let parameter = || Tensor::<B, 1>::random([shape[1]], normal, device).cast(dtype);
+    let (gamma, beta) = (parameter(), parameter());
+    let times = alternate::<B>(
+        device,
+        args.rounds,
+        || {
+            let (x, gamma) = (decorated_leaf(&x), decorated_leaf(&gamma));
+            let y = match centred {
+                true => layer_norm(x, gamma, Some(decorated_leaf(&beta)), EPSILON),
+                false => rms_norm(x, gamma, EPSILON),
+            };
+            let _ = (y * Tensor::from_inner(decorated(&output_grad)))
+                .sum()
+                .backward();
+        },
+        || {
+            let y = match centred {
+                true => {
+                    let mut norm = LayerNormConfig::new(shape[1])
+                        .with_epsilon(EPSILON)
+                        .init::<Autodiff<B>>(device);
+                    norm.gamma = Param::from_tensor(autodiff_leaf(&gamma));
+                    norm.beta = Some(Param::from_tensor(autodiff_leaf(&beta)));
+                    norm.forward(autodiff_leaf(&x))
+                }
+                false => {
+                    let mut norm = RmsNormConfig::new(shape[1])
+                        .with_epsilon(EPSILON)
+                        .init::<Autodiff<B>>(device);
+                    norm.gamma = Param::from_tensor(autodiff_leaf(&gamma));
+                    norm.forward(autodiff_leaf(&x))
+                }
+            };
+            let _ = (y * Tensor::from_inner(output_grad.clone()))
+                .sum()
+                .backward();
+        },
+    );
+    let op = match centred {
+        true => "layernorm fwd+bwd",
+        false => "rmsnorm fwd+bwd",
+    };
+    record(op, format!("{shape:?}"), dtype, 0.0, times)
 }
 
 /// `t` on `Parallel<B>`.

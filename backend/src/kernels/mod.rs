@@ -8,8 +8,8 @@
 //!   ([`attention::flex`]).
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (reference, CubeCL kernels,
 //!   Flex's loops), and its autodiff op.
-//! - [`layer_norm`]: LayerNorm and RMSNorm as one op each way (reference and Flex's loops),
-//!   and their autodiff op.
+//! - [`layer_norm`]: LayerNorm and RMSNorm as one op each way (reference, CubeCL kernels,
+//!   Flex's loops), and their autodiff op.
 //! - [`rope`]: rotary position embeddings as one op each way (reference, CubeCL kernel,
 //!   Flex's loops), keeping only its tables for the backward.
 //! - [`swiglu`]: the gated MLP's `silu(g) ∘ u` as one op each way (reference, CubeCL kernels,
@@ -20,6 +20,7 @@
 //! - [`add`]: Flex's add on rayon's threads where Flex's own is slow.
 //! - [`flex`]: what the ops' Flex loops share (f32 views, single-threaded products, parallel
 //!   writes, a vectorised `exp`).
+//! - `launch`: what the CubeCL kernels' launches share (output buffers, elementwise grids).
 //! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
 //!   out; the reference otherwise).
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
@@ -30,6 +31,7 @@ pub mod add;
 pub mod attention;
 pub mod bias_gelu;
 pub mod flex;
+mod launch;
 pub mod layer_norm;
 pub mod matmul;
 pub mod probe;

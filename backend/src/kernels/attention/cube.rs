@@ -35,10 +35,10 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use crate::kernels::launch::empty_on;
 use crate::kernels::route::{LOOP_ITERATION_CAP, loops_capped};
 
 /// A score below every real one: `e^(MASKED − m)` is 0 for any finite `m`.
@@ -462,10 +462,6 @@ impl Launch {
     }
 }
 
-fn empty_like<R: CubeRuntime>(tensor: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(tensor.client.clone(), tensor.device.clone(), shape, dtype)
-}
-
 /// The forward: the output (in the inputs' type) and the logsumexp `[batch, heads, seq]` (f32).
 /// The caller checks [`unsupported`] first.
 pub fn forward<R: CubeRuntime>(
@@ -477,9 +473,9 @@ pub fn forward<R: CubeRuntime>(
     let [query, key, value] = [query, key, value].map(into_contiguous);
     let launch = Launch::of(&query);
     let shape = query.meta.shape().clone();
-    let output = empty_like(&query, shape.clone(), query.dtype);
+    let output = empty_on(&query, shape.clone(), query.dtype);
     let [batch, heads, seq, _] = shape.dims::<4>();
-    let logsumexp = empty_like(&query, Shape::new([batch, heads, seq]), DType::F32);
+    let logsumexp = empty_on(&query, Shape::new([batch, heads, seq]), DType::F32);
     let dtype = query.dtype;
     // SAFETY: every index is below `heads·seq·d` of contiguous tensors of the shapes the kernel
     // assumes (rows and key rows are clamped to `seq − 1`; columns are clamped to `d − 1` on
@@ -516,8 +512,8 @@ pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [Cu
     let launch = Launch::of(&query);
     let shape = query.meta.shape().clone();
     let [query_grad, key_grad, value_grad] =
-        [(); 3].map(|_| empty_like(&query, shape.clone(), dtype));
-    let delta = empty_like(&query, logsumexp.meta.shape().clone(), DType::F32);
+        [(); 3].map(|_| empty_on(&query, shape.clone(), dtype));
+    let delta = empty_on(&query, logsumexp.meta.shape().clone(), DType::F32);
     let rows = launch.heads * launch.seq;
     let client = query.client.clone();
     // SAFETY: as in `forward`; the kernels write disjoint outputs, and `delta` is written by the

@@ -4,11 +4,10 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::{cast, into_contiguous};
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
+use crate::kernels::launch::{elementwise_grid, empty_on, routed};
 use crate::kernels::route::CubeKernel;
 
 /// GELU's `c`, `a` and exponent clamp in f32 (see the module doc).
@@ -83,19 +82,6 @@ fn bias_gelu_grad_kernel<F: Float>(
     }
 }
 
-/// An empty contiguous tensor of `shape` and `dtype` on `like`'s device.
-fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
-}
-
-/// The cube count and cube dim of a launch with one unit per element of `out`.
-fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let elements = out.meta.shape().num_elements();
-    let cube_dim = CubeDim::new(&out.client, elements);
-    let cubes = calculate_cube_count_elemwise(&out.client, elements, cube_dim);
-    (cubes, cube_dim)
-}
-
 /// [`epilogue_kernel`] on `input` (`[.., columns]`, any kernel float type): the bias added
 /// when there is one, then GELU when `gelu`, written in `output`'s type.
 pub(crate) fn epilogue<R: CubeRuntime>(
@@ -110,9 +96,9 @@ pub(crate) fn epilogue<R: CubeRuntime>(
     // Without a bias the kernel reads none; one element stands in for the binding.
     let bias = match bias {
         Some(bias) => into_contiguous(cast(bias, DType::F32)),
-        None => empty_like(&input, Shape::new([1]), DType::F32),
+        None => empty_on(&input, Shape::new([1]), DType::F32),
     };
-    let out = empty_like(&input, input.meta.shape().clone(), output);
+    let out = empty_on(&input, input.meta.shape().clone(), output);
     let client = input.client.clone();
     let (cubes, cube_dim) = elementwise_grid(&out);
     let dtypes = [input.dtype.into(), output.into()];
@@ -159,7 +145,7 @@ pub fn backward_kernel<R: CubeRuntime>(
     let columns = checked_columns(&x, &bias, Some(&output_grad))?;
     let [x, output_grad] = [x, output_grad].map(into_contiguous);
     let bias = into_contiguous(cast(bias, DType::F32));
-    let grad = empty_like(&x, x.meta.shape().clone(), DType::F32);
+    let grad = empty_on(&x, x.meta.shape().clone(), DType::F32);
     let client = x.client.clone();
     let (cubes, cube_dim) = elementwise_grid(&grad);
     let dtype = x.dtype.into();
@@ -216,20 +202,12 @@ fn checked_columns<R: CubeRuntime>(
     Ok(columns)
 }
 
-/// A kernel's output for the router: `None` (logged) sends the call to the reference.
-fn routed<R: CubeRuntime>(result: Result<CubeTensor<R>, String>) -> Option<[CubeTensor<R>; 1]> {
-    result
-        .inspect_err(|reason| log::debug!("bias + GELU runs the reference: {reason}"))
-        .ok()
-        .map(|out| [out])
-}
-
 /// [`forward_kernel`] for the router.
 pub(super) struct Forward;
 
 impl CubeKernel<2, 1> for Forward {
     fn launch<R: CubeRuntime>(&self, [x, bias]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
-        routed(forward_kernel(x, bias))
+        routed("bias + GELU", forward_kernel(x, bias)).map(|out| [out])
     }
 }
 
@@ -241,6 +219,10 @@ impl CubeKernel<3, 1> for Backward {
         &self,
         [x, bias, output_grad]: [CubeTensor<R>; 3],
     ) -> Option<[CubeTensor<R>; 1]> {
-        routed(backward_kernel(x, bias, output_grad))
+        routed(
+            "bias + GELU backward",
+            backward_kernel(x, bias, output_grad),
+        )
+        .map(|grad| [grad])
     }
 }

@@ -26,9 +26,10 @@
 //! `r = 1/√(⟨x²⟩ + ε)`, `x̂ = x·r`, `y = x̂ ∘ γ`, and as `∂x̂ⱼ/∂xᵢ = r(δᵢⱼ − x̂ᵢx̂ⱼ/n)` the
 //! backward drops the `⟨g⟩` term: `dx = r·(g − x̂ ∘ ⟨g ∘ x̂⟩)`, `dγ = Σ_rows dy ∘ x̂`.
 //!
-//! `x` in f32, f16 or bf16 comes back in its type; `γ` and `β` may be in any float type. On Flex
-//! in f32 the passes are the loops of [`flex`] (rows in parallel); elsewhere the
-//! reference in Burn ops.
+//! `x` in f32, f16 or bf16 comes back in its type; `γ` and `β` may be in any float type. On
+//! CubeCL backends the passes are the kernels of [`cube`] (one cube per row, sums over shared
+//! memory); on Flex in f32 the loops of [`flex`] (rows in parallel); elsewhere the reference in
+//! Burn ops.
 
 use std::marker::PhantomData;
 
@@ -44,10 +45,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata};
 
-use super::route::on_flex;
+use super::route::{on_cube, on_flex};
 use super::{as_rows, cast_primitive, in_dtype, tensor};
 use crate::Parallel;
 
+pub mod cube;
 pub mod flex;
 
 /// A backend with the fused LayerNorm (`centred`) or RMSNorm (see the module doc) on
@@ -99,7 +101,7 @@ fn norm<B: FusedLayerNormBackend, const D: usize>(
 ) -> Tensor<B, D> {
     let shape = x.dims();
     let columns = shape[D - 1];
-    let beta = beta.unwrap_or_else(|| Tensor::zeros([columns], &x.device()));
+    let beta = beta.unwrap_or_else(|| gamma.zeros_like());
     for (name, parameter) in [("gamma", &gamma), ("beta", &beta)] {
         assert_eq!(
             parameter.dims(),
@@ -189,15 +191,18 @@ pub fn reference_backward<B: Backend>(
     }
 }
 
-/// The forward on backend `B`: the native loops on Flex (unless opted out), the reference
-/// otherwise.
+/// The forward on backend `B`: the CubeCL kernel or the native loops on Flex (unless opted
+/// out), the reference otherwise.
 fn forward_on<B: Backend>(
     inputs: [FloatTensor<B>; 3],
     epsilon: f64,
     centred: bool,
 ) -> FloatTensor<B> {
-    match on_flex(inputs, |inputs| {
-        flex::layer_norm_forward(inputs, epsilon, centred)
+    let kernel = cube::Forward { epsilon, centred };
+    match on_cube(&kernel, inputs).or_else(|inputs| {
+        on_flex(inputs, |inputs| {
+            flex::layer_norm_forward(inputs, epsilon, centred)
+        })
     }) {
         Ok([y]) => y,
         Err([x, gamma, beta]) => {
@@ -209,15 +214,19 @@ fn forward_on<B: Backend>(
     }
 }
 
-/// `[dx, dγ, dβ]` in f32 on backend `B` from `[x, γ, dy]`: the native loops on Flex (unless
-/// opted out), the reference otherwise.
+/// `[dx, dγ, dβ]` on backend `B` from `[x, γ, dy]`, in f32 (`dx` from the CubeCL kernels in
+/// `x`'s type): the CubeCL kernels or the native loops on Flex (unless opted out), the
+/// reference otherwise.
 fn backward_on<B: Backend>(
     inputs: [FloatTensor<B>; 3],
     epsilon: f64,
     centred: bool,
 ) -> [FloatTensor<B>; 3] {
-    match on_flex(inputs, |inputs| {
-        flex::layer_norm_backward(inputs, epsilon, centred)
+    let kernel = cube::Backward { epsilon, centred };
+    match on_cube(&kernel, inputs).or_else(|inputs| {
+        on_flex(inputs, |inputs| {
+            flex::layer_norm_backward(inputs, epsilon, centred)
+        })
     }) {
         Ok(grads) => grads,
         Err([x, gamma, output_grad]) => {

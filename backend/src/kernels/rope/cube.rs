@@ -5,11 +5,10 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
+use crate::kernels::launch::{elementwise_grid, empty_like, routed};
 use crate::kernels::route::CubeKernel;
 
 /// One unit per element of `x: [batch, seq, heads, width]` (contiguous): element `(·, p, ·, c)`
@@ -74,11 +73,9 @@ pub fn rope_kernel<R: CubeRuntime>(
         }
     }
     let [x, cos, sin] = [x, cos, sin].map(into_contiguous);
-    let (client, device) = (x.client.clone(), x.device.clone());
-    let out = empty_device_contiguous_dtype(client.clone(), device, shape.clone(), dtype);
-    let elements = shape.num_elements();
-    let cube_dim = CubeDim::new(&client, elements);
-    let cubes = calculate_cube_count_elemwise(&client, elements, cube_dim);
+    let client = x.client.clone();
+    let out = empty_like(&x);
+    let (cubes, cube_dim) = elementwise_grid(&out);
     // SAFETY: `x` and `out` are contiguous of one shape and the tables contiguous `[seq,
     // width]` (checked); each unit below `out.len()` reads its partner `half` away inside its
     // own head and the tables inside row `position < seq`.
@@ -108,9 +105,6 @@ impl CubeKernel<3, 1> for Rope {
         &self,
         [x, cos, sin]: [CubeTensor<R>; 3],
     ) -> Option<[CubeTensor<R>; 1]> {
-        rope_kernel(x, cos, sin)
-            .inspect_err(|reason| log::debug!("RoPE runs the reference: {reason}"))
-            .ok()
-            .map(|y| [y])
+        routed("RoPE", rope_kernel(x, cos, sin)).map(|y| [y])
     }
 }

@@ -4,11 +4,10 @@
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
+use crate::kernels::launch::{elementwise_grid, empty_like, routed};
 use crate::kernels::route::CubeKernel;
 
 /// `σ(g) = 1 / (1 + e^−g)`.
@@ -81,20 +80,6 @@ fn checked<R: CubeRuntime, const N: usize>(
     Ok(inputs.map(into_contiguous))
 }
 
-/// An empty contiguous tensor of `like`'s shape, type and device.
-fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
-    let (client, device) = (like.client.clone(), like.device.clone());
-    empty_device_contiguous_dtype(client, device, like.meta.shape().clone(), like.dtype)
-}
-
-/// The cube count and cube dim of a launch with one unit per element of `out`.
-fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let elements = out.meta.shape().num_elements();
-    let cube_dim = CubeDim::new(&out.client, elements);
-    let cubes = calculate_cube_count_elemwise(&out.client, elements, cube_dim);
-    (cubes, cube_dim)
-}
-
 /// The forward kernel on `gate` and `up` (one shape and type): `silu(g) ∘ u` in their type; or
 /// why it does not take them.
 pub fn forward_kernel<R: CubeRuntime>(
@@ -152,19 +137,12 @@ pub fn backward_kernel<R: CubeRuntime>(
     Ok([gate_grad, up_grad])
 }
 
-/// A kernel's outputs for the router: an error (logged) sends the call to the reference.
-fn routed<T>(result: Result<T, String>) -> Option<T> {
-    result
-        .inspect_err(|reason| log::debug!("SwiGLU runs the reference: {reason}"))
-        .ok()
-}
-
 /// [`forward_kernel`] for the router.
 pub(super) struct Forward;
 
 impl CubeKernel<2, 1> for Forward {
     fn launch<R: CubeRuntime>(&self, [gate, up]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
-        routed(forward_kernel(gate, up)).map(|y| [y])
+        routed("SwiGLU", forward_kernel(gate, up)).map(|y| [y])
     }
 }
 
@@ -176,6 +154,6 @@ impl CubeKernel<3, 2> for Backward {
         &self,
         [gate, up, output_grad]: [CubeTensor<R>; 3],
     ) -> Option<[CubeTensor<R>; 2]> {
-        routed(backward_kernel(gate, up, output_grad))
+        routed("SwiGLU backward", backward_kernel(gate, up, output_grad))
     }
 }
