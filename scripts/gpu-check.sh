@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
 # GPU validation on an NVIDIA GPU. Builds with `--features cuda` (or, with
 # WILDFIRE_GPU_BUNDLE=<folder>, runs the executables `scripts/gpu-bundle.sh` built on another
-# machine, for GPU machines without Rust), then runs, in this order:
-#   0. `wildfire train --device cuda` on GPT-2 124M, bf16, context 1024 (tokens/s and MFU against
-#      the GPU's data-sheet peak, in its log lines), with the fused ops and with them decomposed,
-#      then the same model in PyTorch, eager and torch.compile, bf16 autocast, same batch, where
-#      PyTorch with CUDA is installed (benches/reference/train_tiny.py --model gpt2);
-#   1. the CubeCL kernels' benchmark against Burn's own ops, in bf16, with the issue's targets
-#      (attention forward+backward >= 400 TFLOP/s at head dim 128 and length 4096;
-#      mixed-precision matmul >= 70% of the dense bf16 peak at 8192^3, the peak from
-#      WILDFIRE_PEAK_BF16_TFLOPS, default 989 for H100/H200 SXM) and its output against Burn's;
-#   2. comm-check at world size 1 and, with 2+ GPUs, one process per GPU over NCCL;
-#   3. the kernels' tests on CUDA (f32, f16, bf16) and a GPT training step with them against
-#      the decomposed ops;
-#   4. the decorator and collective tests on CUDA tensors (ranks as threads, world 1 and 2).
-# Each step is stopped after WILDFIRE_GPU_STEP_TIMEOUT seconds (default 120; training and
-# torch.compile get twice that, so the whole check fits in about 8 minutes) and its output
-# is kept in WILDFIRE_GPU_LOGS (default a new temporary folder). Prints a summary that says
-# plainly what ran, what passed and what was skipped.
+# machine, for GPU machines without Rust), then runs its steps in priority order:
+#
+#   speed         `wildfire train --device cuda` on GPT-2 124M, bf16, context 1024, batch 8, with
+#                 the device's default fused ops, then the same model in PyTorch, eager and
+#                 torch.compile, bf16 autocast, same batch, where PyTorch with CUDA is installed
+#                 (benches/reference/train_tiny.py --model gpt2). Its table (scripts/gpu-summary.py)
+#                 gives the first step (compiling and autotuning) apart from the steady step.
+#   kernel-tests  the CubeCL kernels' tests on CUDA (f32, f16, bf16), the kernels queued in Burn's
+#                 fusion stream against the bare backend, and a GPT training step with the kernels
+#                 against the decomposed ops: what must pass before a kernel is turned on on CUDA.
+#   kernels       the kernels' benchmark against Burn's ops in bf16 on the fused backend
+#                 (attention target >= 400 TFLOP/s forward+backward at head dim 128, length 4096;
+#                 mixed-precision matmul >= 70% of WILDFIRE_PEAK_BF16_TFLOPS, default 989).
+#   fused-all     the speed run again with every fused op on (train.fused_ops=true), to see
+#                 what the ops that are off by default on CUDA would change.
+#   comm          comm-check at world size 1 (and one process per GPU over NCCL with 2+ GPUs),
+#                 then the decorator and collective tests on CUDA tensors, bare and fused.
+#
+#   scripts/gpu-check.sh [--only step,step...]     (default: every step, in the order above)
+#
+# Burn's autotune results and CubeCL's compiled PTX are cached in WILDFIRE_GPU_LOGS/cubecl-cache
+# (a `cubecl.toml` this script writes at the repository root, unless one is there), so a later
+# run that starts from that folder (WILDFIRE_GPU_CACHE=<a previous cubecl-cache>) skips the
+# tuning and the compiling. Each step's commands are stopped after WILDFIRE_GPU_STEP_TIMEOUT
+# seconds (default 120; training and torch.compile get twice that), so the whole default run fits
+# in about 8 minutes, tuning included. Output is kept in WILDFIRE_GPU_LOGS (default a new
+# temporary folder). Prints a summary that says plainly what ran, passed and was skipped, and
+# the speed table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+all_steps="speed kernel-tests kernels fused-all comm"
+steps=$all_steps
+if [ "${1:-}" = "--only" ]; then
+    steps=${2:?"--only needs a comma-separated list of steps: ${all_steps// /, }"}
+    steps=${steps//,/ }
+    for step in $steps; do
+        case " $all_steps " in
+            *" $step "*) ;;
+            *) echo "gpu-check: unknown step $step (steps: ${all_steps// /, })" >&2; exit 2 ;;
+        esac
+    done
+elif [ $# -gt 0 ]; then
+    echo "usage: scripts/gpu-check.sh [--only step,step...] (steps: ${all_steps// /, })" >&2
+    exit 2
+fi
+wanted() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 bundle=${WILDFIRE_GPU_BUNDLE:-}
 step_limit=${WILDFIRE_GPU_STEP_TIMEOUT:-120}
@@ -65,7 +93,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     exit 0
 fi
 gpus=$(nvidia-smi -L | grep -c '^GPU ')
-echo "gpu-check: $gpus GPU(s):"; nvidia-smi -L
+echo "gpu-check: $gpus GPU(s), steps: $steps"; nvidia-smi -L
 
 # CubeCL (through cudarc) and the NCCL transport load NVRTC and NCCL by name at run time. Where
 # the loader's cache lacks one (a toolkit outside ldconfig's folders, NCCL from pip's
@@ -85,6 +113,29 @@ if [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ] && command -v nvcc >/dev/
     export CUDA_PATH
 fi
 
+# Burn's autotune results and CubeCL's PTX, kept with the logs for the next run to start from.
+cache="$logs/cubecl-cache"
+mkdir -p "$cache"
+if [ -n "${WILDFIRE_GPU_CACHE:-}" ] && [ -d "$WILDFIRE_GPU_CACHE" ]; then
+    cp -r "$WILDFIRE_GPU_CACHE/." "$cache/"
+    echo "gpu-check: autotune and PTX caches from $WILDFIRE_GPU_CACHE"
+fi
+if [ ! -e cubecl.toml ]; then
+    cat >cubecl.toml <<EOF
+# Written by scripts/gpu-check.sh: Burn's autotune results and CubeCL's compiled kernels are kept
+# in the check's log folder.
+[autotune]
+level = "${CUBECL_AUTOTUNE_LEVEL:-balanced}"
+cache = { file = "$cache" }
+
+[compilation]
+cache = { file = "$cache" }
+EOF
+    trap 'rm -f cubecl.toml' EXIT
+else
+    echo "gpu-check: using the cubecl.toml already here; caches go where it says"
+fi
+
 if [ -n "$bundle" ]; then
     echo "gpu-check: executables from $bundle"
     bin_dir=$bundle
@@ -96,67 +147,80 @@ fi
 
 # nvidia-smi has seen a GPU, so a CUDA device the tests cannot use is a failure, not a skip.
 export WILDFIRE_REQUIRE_CUDA=1
-# Autotuning only chooses among correct kernels; kept short, the whole check fits its minutes.
-export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 
-# GPT-2 124M on one GPU, bf16, context 1024, 8 sequences per step: wildfire, then PyTorch.
-# Twice: with the fused ops (the default) and with them decomposed into Burn's ops, whose
-# matmuls are Burn's autotuned tensor-core kernels (the fused attention is not tuned for GPUs).
+# GPT-2 124M on one GPU, bf16, context 1024, 8 sequences per step; `extra` settings after.
 batch=8
-for fused in true false; do
-    limit=$((2 * step_limit)) run "train-gpt2-fused-$fused" \
-        "wildfire train --device cuda: GPT-2 124M, bf16, context 1024, batch $batch, fused ops $fused (tokens/s, MFU)" \
+train_gpt2() { # run name, description, extra --set arguments...
+    local name=$1 description=$2
+    shift 2
+    limit=$((2 * step_limit)) run "train-$name" "$description" \
         "$bin_dir/wildfire" train --config recipes/configs/gpt2-124m.toml --device cuda \
         --precision bf16 --set train.max_steps=30 --set "train.micro_batch=$batch" \
         --set train.grad_accum=1 --set train.eval_every=0 --set checkpoint.every=0 \
-        --set "train.fused_ops=$fused" --set run.log_every=5 \
-        --set "run.dir=\"$logs/gpt2-run-fused-$fused\""
-done
-if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    for mode in eager compile; do
-        flags=(--threads 8 --model gpt2 --device cuda --batch "$batch" --bf16 --warmup 5 --steps 20)
-        [ "$mode" = compile ] && flags+=(--compile)
-        limit=$((2 * step_limit)) run "torch-$mode" \
-            "PyTorch $mode, the same GPT-2 124M step (bf16 autocast)" \
-            python3 benches/reference/train_tiny.py "${flags[@]}"
+        --set run.log_every=5 --set "run.dir=\"$logs/gpt2-run-$name\"" "$@"
+}
+
+if wanted speed; then
+    train_gpt2 defaults \
+        "wildfire train --device cuda: GPT-2 124M, bf16, context 1024, batch $batch, the device's default fused ops"
+    if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        for mode in eager compile; do
+            flags=(--threads 8 --model gpt2 --device cuda --batch "$batch" --bf16 --warmup 5 --steps 20)
+            [ "$mode" = compile ] && flags+=(--compile)
+            limit=$((2 * step_limit)) run "torch-$mode" \
+                "PyTorch $mode, the same GPT-2 124M step (bf16 autocast)" \
+                python3 benches/reference/train_tiny.py "${flags[@]}"
+        done
+    else
+        note "SKIP  PyTorch eager and torch.compile: no PyTorch with CUDA (pip install torch)"
+    fi
+fi
+
+if wanted kernel-tests; then
+    # Each kernel against f64 or decomposed attention in f32, f16 and bf16 (bf16 is skipped on
+    # lavapipe), the kernels queued in the fusion stream against the bare backend, and a GPT
+    # training step with the kernels against the decomposed ops.
+    for module in flash_attention mixed_matmul bias_gelu layer_norm rope swiglu fusion; do
+        run "test-$module" "CubeCL kernel tests on CUDA: $module" \
+            cargo_test wildfire-backend backend "$module::"
     done
-else
-    note "SKIP  PyTorch eager and torch.compile: no PyTorch with CUDA (pip install torch)"
+    run test-fused-ops "a GPT training step on CUDA, fused ops against decomposed ones" \
+        cargo_test wildfire-recipes recipes fused_ops::on_cuda
 fi
 
-# The kernels on CUDA: their output against Burn's (the bench's `difference`, checked within a
-# few units of bf16 roundoff) and the throughput targets. The attention kernels are not tuned
-# for GPUs (no shared-memory tiles, no tensor cores), so its target is expected to miss; the
-# matmul's product is Burn's autotuned CubeCL matmul.
-run kernels-bench "CubeCL kernels on CUDA, bf16: agreement with Burn and throughput targets" \
-    "$bin_dir/wildfire-benches" kernels --device cuda --dtype bf16 --batch 4 --heads 16 \
-    --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 2 --targets \
-    --peak-tflops "${WILDFIRE_PEAK_BF16_TFLOPS:-989}"
-
-run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
-if [ "$gpus" -gt 1 ]; then
-    run comm-check-nccl "comm-check, $gpus processes (one per GPU), CUDA tensors, tcp transport" \
-        "$bin_dir/wildfire" launch --nproc-per-node "$gpus" --master-port 29555 -- \
-        "$bin_dir/wildfire" comm-check --device cuda
-else
-    note "SKIP  multi-GPU comm-check and NCCL between ranks: only 1 GPU present (the one-rank NCCL probe ran)"
+if wanted kernels; then
+    # Output against Burn's (the bench's `difference`, within a few units of bf16 roundoff) and
+    # the throughput targets. The attention kernels have no tensor cores, so that target is
+    # expected to miss.
+    run kernels-bench "CubeCL kernels on CUDA (fused backend), bf16: agreement with Burn and targets" \
+        "$bin_dir/wildfire-benches" kernels --device cuda --dtype bf16 --batch 4 --heads 16 \
+        --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 2 --targets \
+        --peak-tflops "${WILDFIRE_PEAK_BF16_TFLOPS:-989}"
 fi
 
-# The kernels' correctness on CUDA, in f32, f16 and bf16 (bf16 is skipped on lavapipe): the
-# attention's output and three gradients against decomposed attention at every tested shape,
-# the matmul against f64 and bitwise on small integers, the fused bias + GELU and its gradients
-# against f64.
-for module in flash_attention mixed_matmul bias_gelu; do
-    run "test-$module" "CubeCL kernel tests on CUDA: $module" \
-        cargo_test wildfire-backend backend "$module::"
-done
-run test-fused-ops "a GPT training step on CUDA, fused ops against decomposed ones" \
-    cargo_test wildfire-recipes recipes fused_ops::on_cuda
+if wanted fused-all; then
+    train_gpt2 all-fused "the same GPT-2 step with every fused op on (train.fused_ops=true)" \
+        --set train.fused_ops=true
+fi
 
-run test-gpu "decorator + collectives tests on CUDA tensors (ranks as threads, world 1 and 2)" \
-    cargo_test wildfire-tests integration gpu:: --nocapture --test-threads 1
+if wanted comm; then
+    run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
+    if [ "$gpus" -gt 1 ]; then
+        run comm-check-nccl "comm-check, $gpus processes (one per GPU), CUDA tensors, tcp transport" \
+            "$bin_dir/wildfire" launch --nproc-per-node "$gpus" --master-port 29555 -- \
+            "$bin_dir/wildfire" comm-check --device cuda
+    else
+        note "SKIP  multi-GPU comm-check and NCCL between ranks: only 1 GPU present (the one-rank NCCL probe ran)"
+    fi
+    run test-gpu "decorator + collectives tests on CUDA tensors, bare and fused (ranks as threads)" \
+        cargo_test wildfire-tests integration gpu:: --nocapture --test-threads 1
+fi
 
 echo
-echo "gpu-check summary (logs in $logs):"
+echo "gpu-check summary (logs in $logs; autotune and PTX caches in $cache):"
 printf '  %s\n' "${summary[@]}"
+if compgen -G "$logs/gpt2-run-*" >/dev/null; then
+    echo
+    python3 scripts/gpu-summary.py "$logs"
+fi
 exit $failed

@@ -5,8 +5,17 @@
 //!
 //! [`RankDevice`] turns that index into a backend's device, or an error naming how many devices
 //! of the kind this machine has. It is implemented for Flex (the CPU: one device, every rank
-//! shares it), Wgpu (the adapter of that index, or the one adapter when there is one) and Cuda
-//! (`cuda:N`), and through [`crate::Parallel`] and Burn's `Autodiff` for the decorated backends.
+//! shares it), Burn's CubeCL backend on wgpu (the adapter of that index, or the one adapter when
+//! there is one) and on CUDA (`cuda:N`), bare or under Burn's fusion, and through
+//! [`crate::Parallel`] and Burn's `Autodiff` for the decorated backends.
+//!
+//! **The GPU backends are fused.** [`FusedCuda`] and [`FusedWgpu`] are Burn's CubeCL backends
+//! under Burn's fusion (`Fusion<CubeBackend<..>>`, what Burn's `Cuda` and `Wgpu` are with its
+//! default features): chains of elementwise ops, and elementwise work around a matmul or a
+//! reduction, run as one kernel each, where the bare backend launches one kernel per op. The
+//! decorator wraps the fused backend (`Parallel<FusedCuda>`), so its overrides see fused tensors
+//! and queue wildfire's kernels in the fusion stream ([`crate::fusion`]). wgpu is fused too: it is
+//! the CPU twin of CUDA, the path the tests can run.
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,9 +25,21 @@ use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use burn_flex::Flex;
+use burn_fusion::{Fusion, FusionBackend};
 
 use crate::Parallel;
+
+/// What `--device wgpu` trains on: Burn's CubeCL backend on wgpu (Vulkan; lavapipe on a machine
+/// without a GPU) under Burn's fusion (see the module doc).
+#[cfg(feature = "wgpu")]
+pub type FusedWgpu = Fusion<CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>>;
+
+/// What `--device cuda` trains on: Burn's CubeCL backend on CUDA under Burn's fusion, autotuned
+/// (see the module doc).
+#[cfg(feature = "cuda")]
+pub type FusedCuda = Fusion<CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>>;
 
 /// The kinds of device a rank can compute on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -186,7 +207,9 @@ impl RankDevice for Flex {
 }
 
 #[cfg(feature = "wgpu")]
-impl RankDevice for burn::backend::Wgpu {
+impl<F: FloatElement, I: IntElement, BT: BoolElement> RankDevice
+    for CubeBackend<cubecl::wgpu::WgpuRuntime, F, I, BT>
+{
     const KIND: DeviceKind = DeviceKind::Wgpu;
 
     /// The one adapter when the machine has one (every rank shares it, as the ranks of a CPU
@@ -215,7 +238,9 @@ impl RankDevice for burn::backend::Wgpu {
 }
 
 #[cfg(feature = "cuda")]
-impl RankDevice for burn::backend::Cuda {
+impl<F: FloatElement, I: IntElement, BT: BoolElement> RankDevice
+    for CubeBackend<cubecl::cuda::CudaRuntime, F, I, BT>
+{
     const KIND: DeviceKind = DeviceKind::Cuda;
 
     /// `cuda:ordinal`, once the driver has answered and counted the devices.
@@ -225,6 +250,7 @@ impl RankDevice for burn::backend::Cuda {
             why,
         };
         crate::comm::nccl_device::check_cuda_driver().map_err(|e| unavailable(e.to_string()))?;
+        keep_compiled_kernels();
         let count = cudarc::driver::CudaContext::device_count()
             .map_err(|e| unavailable(format!("the driver cannot count its devices: {e:?}")))?;
         let count = usize::try_from(count).unwrap_or(0);
@@ -245,7 +271,43 @@ impl RankDevice for burn::backend::Cuda {
     }
 }
 
+/// Makes CubeCL keep the kernels it compiles across runs, as it keeps Burn's autotune results
+/// by default (the first step of a run otherwise compiles every kernel anew: on CUDA, PTX from
+/// NVRTC). Unless CubeCL's configuration (a `cubecl.toml` in the working directory or above it,
+/// or `CUBECL_*` variables) names a compilation cache, it goes where the autotune cache does by
+/// default: the Cargo project's `target/` folder, or the user's cache folder outside one.
+/// Nothing changes once CubeCL has read its configuration: call it before the first device.
+/// Returns whether it set the cache.
+pub fn keep_compiled_kernels() -> bool {
+    use cubecl::config::cache::CacheConfig;
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let mut state = CubeClRuntimeConfig::storage().lock();
+    if state.is_some() {
+        return false;
+    }
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    let set = config.compilation.cache.is_none();
+    if set {
+        config.compilation.cache = Some(CacheConfig::Target);
+    }
+    *state = Some(std::sync::Arc::new(config));
+    set
+}
+
 impl<B: RankDevice> RankDevice for Parallel<B> {
+    const KIND: DeviceKind = B::KIND;
+
+    fn device_at(ordinal: usize) -> Result<Self::Device, DeviceError> {
+        B::device_at(ordinal)
+    }
+
+    fn data_sheet_peak(device: &Self::Device) -> Option<(String, f64)> {
+        B::data_sheet_peak(device)
+    }
+}
+
+/// A fused backend computes on its inner backend's devices.
+impl<B: RankDevice + FusionBackend> RankDevice for Fusion<B> {
     const KIND: DeviceKind = B::KIND;
 
     fn device_at(ordinal: usize) -> Result<Self::Device, DeviceError> {
@@ -389,6 +451,38 @@ mod tests {
         assert_eq!(known_peak_flops("NVIDIA H100 80GB HBM3"), Some(989.4e12));
         assert_eq!(known_peak_flops("NVIDIA A100-SXM4-80GB"), Some(312.0e12));
         assert_eq!(known_peak_flops("NVIDIA GeForce RTX 4090"), None);
+    }
+
+    /// The child side of the next test: CubeCL's configuration after [`keep_compiled_kernels`].
+    #[test]
+    #[ignore = "run by `compiled_kernels_are_kept_unless_configured` in a child process"]
+    fn report_kept_compiled_kernels() {
+        use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+        let (first, second) = (keep_compiled_kernels(), keep_compiled_kernels());
+        let cache = CubeClRuntimeConfig::get().compilation.cache.clone();
+        println!("set: {first} then {second}; cache: {cache:?}");
+    }
+
+    /// In a process of its own (CubeCL reads its configuration once per process), from a
+    /// folder without a `cubecl.toml`: the compilation cache is set to CubeCL's default place
+    /// once, and a second call changes nothing.
+    #[test]
+    fn compiled_kernels_are_kept_unless_configured() {
+        let dir = std::env::temp_dir().join(format!("wildfire-cubecl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "device::tests::report_kept_compiled_kernels"])
+            .args(["--nocapture", "--include-ignored"])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        assert!(
+            text.contains("set: true then false; cache: Some(Target)"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
 //! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), each rank's
-//! device ([`device`]), tensor values read back to the host whatever their alignment
-//! ([`host_data`]), and the process launcher behind `wildfire launch` ([`launch`]).
+//! device and backend ([`device`]), what meets Burn's fusion stream ([`fusion`]), tensor values
+//! read back to the host whatever their alignment ([`host_data`]), and the process launcher
+//! behind `wildfire launch` ([`launch`]).
 
 pub mod alloc;
 pub mod collective;
 pub mod comm;
 mod decorator;
 pub mod device;
+pub mod fusion;
 pub mod host_data;
 pub mod kernels;
 pub mod launch;

@@ -25,11 +25,12 @@
 use burn::backend::{Autodiff, Flex, Wgpu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Distribution, FloatDType, Shape, Tensor, TensorData, TensorPrimitive};
 use cubecl::wgpu::WgpuRuntime;
 use wildfire_backend::Parallel;
 use wildfire_backend::kernels::attention::{cube, flex};
 use wildfire_backend::kernels::attention::{decomposed_attention, fused_attention};
+use wildfire_backend::kernels::cube_kernel::TensorSpec;
 use wildfire_backend::kernels::route::{cube_runtime, kernels_enabled, loops_capped};
 
 use crate::common::{KernelBackend, has_dtype, output_and_grads, relative_error};
@@ -286,10 +287,9 @@ fn shapes_past_the_loop_cap_are_declined_where_lavapipe_may_run() {
         "loop cap on {device:?}, with lavapipe installed: {lavapipe_installed}"
     );
     let (seq, d_head) = (7000, 100);
-    let query = Tensor::<Wgpu, 4>::zeros([1, 1, seq, d_head], &device)
-        .into_primitive()
-        .tensor();
-    let declined = cube::unsupported(&[query.clone(), query.clone(), query]);
+    let query = TensorSpec::new(Shape::new([1, 1, seq, d_head]), DType::F32);
+    let declined =
+        cube::unsupported::<WgpuRuntime>(&[query.clone(), query.clone(), query], &device);
     match declined {
         Some(reason) => assert!(
             lavapipe_installed
@@ -299,5 +299,93 @@ fn shapes_past_the_loop_cap_are_declined_where_lavapipe_may_run() {
             "{reason}"
         ),
         None => assert!(!lavapipe_installed, "a shape past lavapipe's cap was taken"),
+    }
+}
+
+/// Grouped-query attention (`kv_heads` of 1, 2 and 4 shared by 4 query heads) through
+/// `Autodiff<Parallel<B>>` in `dtype`: against attention on the key/value heads repeated in
+/// the graph (whose backward sums the repetitions' gradients), the relative errors of the
+/// output and of dQ, dK and dV, each case printed.
+fn grouped_against_repeated<B: Backend>(device: &B::Device, dtype: FloatDType) -> Vec<[f32; 4]> {
+    type P<B> = Autodiff<Parallel<B>>;
+    let (heads, seq, d_head) = (4, 37, 16);
+    let draw = |heads: usize, seed: u64| {
+        Flex::seed(&Default::default(), seed);
+        let data = Tensor::<Flex, 4>::random(
+            [2, heads, seq, d_head],
+            Distribution::Normal(0.0, 1.0),
+            &Default::default(),
+        )
+        .into_data();
+        Tensor::<P<B>, 4>::from_data(data, device).cast(dtype)
+    };
+    let read = |t: Tensor<P<B>, 4>| t.cast(FloatDType::F32).into_data();
+    [1, 2, 4]
+        .into_iter()
+        .map(|kv_heads| {
+            let (q, k, v) = (draw(heads, 1), draw(kv_heads, 2), draw(kv_heads, 3));
+            let output_grad = draw(heads, 4);
+            let run = |repeat: bool| {
+                let (q, k, v) = (q.clone(), k.clone(), v.clone());
+                let [q, k, v] = [q, k, v].map(Tensor::require_grad);
+                let repeated = |kv: &Tensor<P<B>, 4>| match repeat {
+                    true => kv
+                        .clone()
+                        .unsqueeze_dim::<5>(2)
+                        .expand([2, kv_heads, heads / kv_heads, seq, d_head])
+                        .reshape([2, heads, seq, d_head]),
+                    false => kv.clone(),
+                };
+                let output = fused_attention(q.clone(), repeated(&k), repeated(&v), true);
+                let grads = (output.clone() * output_grad.clone()).sum().backward();
+                let grad = |t: &Tensor<P<B>, 4>| Tensor::from_inner(t.grad(&grads).unwrap());
+                [read(output), read(grad(&q)), read(grad(&k)), read(grad(&v))]
+            };
+            let (grouped, repeated) = (run(false), run(true));
+            let errors =
+                [0, 1, 2, 3].map(|i| relative_error(grouped[i].clone(), repeated[i].clone()));
+            println!(
+                "{} {dtype:?} kv_heads {kv_heads}: O, dQ, dK, dV {}",
+                B::name(device),
+                errors.map(|e| format!("{e:.1e}")).join(" ")
+            );
+            errors
+        })
+        .collect()
+}
+
+/// Grouped key/value heads give what repeating them for their query heads gives. On Flex in
+/// f32 the native loops read the shared heads where they lie: the output and dQ are the same
+/// arithmetic per query head (bitwise), and dK, dV sum the group's contributions in one
+/// accumulator where the repeated form sums each repetition's total, so they differ by f32
+/// summation order (1e-5, as the kernels' f32 bound). In f16 (Flex's reference) and on wgpu
+/// (the CubeCL kernels) the heads are repeated before the kernel and its gradients summed back:
+/// the output and dQ are the repeated form's bits, dK and dV within the same bound (f16:
+/// the sums of at most 4 rounded terms, 4u).
+#[test]
+fn grouped_query_attention_equals_attention_on_repeated_heads() {
+    let exact_o_and_dq = |errors: &[[f32; 4]], bound: f32, what: &str| {
+        for e in errors {
+            assert!(e[0] == 0.0 && e[1] == 0.0, "{what}: O, dQ differ: {e:?}");
+            assert!(
+                e[2] <= bound && e[3] <= bound,
+                "{what}: dK, dV beyond {bound:e}: {e:?}"
+            );
+        }
+    };
+    let flex = Default::default();
+    exact_o_and_dq(
+        &grouped_against_repeated::<Flex>(&flex, FloatDType::F32),
+        1e-5,
+        "flex f32",
+    );
+    let f16 = grouped_against_repeated::<Flex>(&flex, FloatDType::F16);
+    exact_o_and_dq(&f16, 4.0 * 2f32.powi(-11), "flex f16");
+    if let Some(device) = Wgpu::test_device() {
+        exact_o_and_dq(
+            &grouped_against_repeated::<Wgpu>(&device, FloatDType::F32),
+            1e-5,
+            "wgpu",
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! The backend's integration tests: the fused kernels against their references (or f64) on Flex and Wgpu,
-//! and the decorator's routing.
+//! the decorator's routing, and the kernels under Burn's fusion.
 //!
 //! One test binary for the crate, its files as modules: every integration-test binary links Burn,
 //! wgpu and CubeCL again.
@@ -9,6 +9,7 @@ mod common;
 
 mod bias_gelu;
 mod flash_attention;
+mod fusion;
 mod layer_norm;
 mod mixed_matmul;
 mod rope;

@@ -1,5 +1,8 @@
 //! `kernels`: wildfire's CubeCL kernels against Burn's own ops on the same device, in one run,
-//! alternating in rounds so both sides see the same machine noise.
+//! alternating in rounds so both sides see the same machine noise. Both run on the backend
+//! `wildfire train --device` uses: Burn's CubeCL backend under Burn's fusion (our kernels queued
+//! in its stream as custom operations, Burn's ops fused where its fusers can), or with
+//! `--unfused` on the bare backend (one kernel per op).
 //!
 //! - **attention**, forward and forward+backward: `fused_attention` on `Parallel<B>` and
 //!   `Autodiff<Parallel<B>>` (the FlashAttention-2 kernels) against
@@ -35,6 +38,7 @@ use burn::tensor::{DType, Distribution, ElementConversion, FloatDType, Tensor, T
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use wildfire_backend::Parallel;
+use wildfire_backend::device::FusedWgpu;
 use wildfire_backend::kernels::attention::fused_attention;
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
@@ -103,6 +107,10 @@ pub struct KernelArgs {
     /// Print one JSON object per line instead of the table.
     #[arg(long)]
     json: bool,
+    /// Run on Burn's bare CubeCL backend (one kernel per op) instead of the fused one that
+    /// `wildfire train --device` uses (Burn's fusion; our kernels queued in its stream).
+    #[arg(long)]
+    unfused: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -122,12 +130,21 @@ struct Record {
 
 pub fn run(args: KernelArgs) -> anyhow::Result<()> {
     set_kernels_enabled(true);
-    match args.device {
-        Device::Wgpu => bench::<burn::backend::Wgpu>(&args, &probe::wgpu().map_err(Error::msg)?),
+    match (args.device, args.unfused) {
+        (Device::Wgpu, false) => bench::<FusedWgpu>(&args, &probe::wgpu().map_err(Error::msg)?),
+        (Device::Wgpu, true) => {
+            bench::<burn::backend::Wgpu>(&args, &probe::wgpu().map_err(Error::msg)?)
+        }
         #[cfg(feature = "cuda")]
-        Device::Cuda => bench::<burn::backend::Cuda>(&args, &probe::cuda().map_err(Error::msg)?),
+        (Device::Cuda, false) => {
+            bench::<wildfire_backend::device::FusedCuda>(&args, &probe::cuda().map_err(Error::msg)?)
+        }
+        #[cfg(feature = "cuda")]
+        (Device::Cuda, true) => {
+            bench::<burn::backend::Cuda>(&args, &probe::cuda().map_err(Error::msg)?)
+        }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda => bail!("--device cuda needs a build with `--features cuda`"),
+        (Device::Cuda, _) => bail!("--device cuda needs a build with `--features cuda`"),
     }
 }
 

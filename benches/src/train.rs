@@ -4,7 +4,7 @@
 //! thread pool is sized once per process); with `--pytorch`, the PyTorch eager reference
 //! (`benches/reference/train_tiny.py`) runs the same model in alternating rounds, side by side;
 //! with `--reference-ops`, so does wildfire with the fused ops' reference in Burn ops in place
-//! of their native loops on Flex; with `--wgpu`, so does wildfire on `Parallel<Wgpu>` (Mesa's
+//! of their native loops on Flex; with `--wgpu`, so does wildfire on `Parallel<FusedWgpu>` (Mesa's
 //! lavapipe on a machine without a GPU, its threads set by `LP_NUM_THREADS`); with `--llama`,
 //! so does the Llama model of the same size (`llama-tiny`: the same 12·d² weights per block,
 //! SwiGLU, rotary embeddings, grouped-query attention, untied head), and with `--pytorch` too
@@ -20,7 +20,6 @@ use wildfire_recipes::CpuBackend;
 
 use anyhow::{Context, bail};
 use burn::backend::Autodiff;
-use burn::backend::Wgpu;
 use burn::optim::GradientsParams;
 use burn::optim::Optimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -28,6 +27,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use wildfire_backend::device::FusedWgpu;
 use wildfire_parallel::clip::clip_global_norm;
 use wildfire_recipes::config::TrainSection;
 use wildfire_recipes::data::SplitMix64;
@@ -55,7 +55,8 @@ pub struct TrainArgs {
     /// in place of their native loops on Flex (the ops' `flex` modules in `kernels`).
     #[arg(long)]
     reference_ops: bool,
-    /// Also run wildfire on wgpu (`Parallel<Wgpu>`; lavapipe where there is no GPU).
+    /// Also run wildfire on wgpu (`Parallel<FusedWgpu>`, as `--device wgpu`; lavapipe where there
+    /// is no GPU).
     #[arg(long)]
     wgpu: bool,
     /// Also run the llama-tiny model on the CPU.
@@ -69,7 +70,7 @@ pub struct WorkerArgs {
     threads: u16,
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     steps: u16,
-    /// `cpu` (`Parallel<Flex>`) or `wgpu` (`Parallel<Wgpu>`).
+    /// `cpu` (`Parallel<Flex>`) or `wgpu` (`Parallel<FusedWgpu>`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "wgpu"])]
     device: String,
     /// `tiny` or `llama-tiny`.
@@ -107,7 +108,8 @@ fn train_config() -> TrainSection {
         eval_every: 0,
         eval_batches: 0,
         activation_checkpointing: Default::default(),
-        fused_ops: true,
+        fused_ops: Some(true),
+        fused: Default::default(),
     }
 }
 
@@ -121,7 +123,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     match args.device.as_str() {
         "wgpu" => {
             let device = probe::wgpu().map_err(anyhow::Error::msg)?;
-            worker_on::<Autodiff<Parallel<Wgpu>>>(args, device, "wildfire-wgpu")
+            worker_on::<Autodiff<Parallel<FusedWgpu>>>(args, device, "wildfire-wgpu")
         }
         _ => worker_on::<Autodiff<CpuBackend>>(args, Default::default(), "wildfire"),
     }

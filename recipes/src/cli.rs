@@ -636,7 +636,7 @@ fn check_one(world: &ProcessGroup, device: &str, large: bool) -> Result<(), Stri
                 println!("comm-check: {}", probe.map_err(|e| e.to_string())?);
             }
             let device = burn::backend::cuda::CudaDevice::new(ordinal);
-            selfcheck::run::<burn::backend::Cuda>(world, &device, large)?
+            selfcheck::run::<wildfire_backend::device::FusedCuda>(world, &device, large)?
         }
         other => return Err(format!("--device {other:?} is not available in this build")),
     };

@@ -1,13 +1,15 @@
 //! The recipe's configuration: TOML files with `--set section.key=value` overrides, unknown
 //! keys rejected, and the fully resolved form saved with every run.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use wildfire_backend::device::DeviceSpec;
+use wildfire_backend::device::{DeviceKind, DeviceSpec};
+use wildfire_backend::kernels::choice::{FusedOp, FusedOps};
 use wildfire_backend::kernels::matmul::MatmulPrecision;
 use wildfire_parallel::fsdp::ZeroStage;
 use wildfire_parallel::pp::ScheduleKind;
@@ -166,17 +168,32 @@ pub struct TrainSection {
     /// Which activations the backward recomputes instead of keeping them.
     #[serde(default)]
     pub activation_checkpointing: ActivationCheckpointing,
-    /// The model's fused ops, each with its fused backward: attention (where it has no
-    /// dropout), the MLP's bias + GELU, LayerNorm and RMSNorm, and the rotary embedding.
-    /// `false` runs them as decomposed ops instead, to compare or to rule the fusions out
-    /// (Megatron-LM's `--no-masked-softmax-fusion` and `--no-bias-gelu-fusion`, and Burn's
-    /// LayerNorm).
-    #[serde(default = "fused_ops_default")]
-    pub fused_ops: bool,
+    /// Whether the model's fused ops (each with its fused backward: attention where it has no
+    /// dropout, the MLP's bias + GELU, LayerNorm and RMSNorm, the rotary embedding, SwiGLU) all
+    /// run fused (`true`) or all as decomposed ops (`false`: Megatron-LM's
+    /// `--no-masked-softmax-fusion` and `--no-bias-gelu-fusion`, Burn's own modules). Absent:
+    /// each op as the device's defaults say, fused only where it was measured to win there
+    /// (`wildfire_backend::kernels::choice::FusedOps::device_default`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_ops: Option<bool>,
+    /// Per-op choices on top of `fused_ops`, `[train.fused]` with `attention = false` and the
+    /// like (`--set train.fused.attention=false`); names as `FusedOp` writes them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fused: BTreeMap<FusedOp, bool>,
 }
 
-fn fused_ops_default() -> bool {
-    true
+impl TrainSection {
+    /// Which ops run fused on a device of `kind`: the device's defaults, or all or none as
+    /// `fused_ops` says, then `fused`'s per-op choices.
+    pub fn fused_ops(&self, kind: DeviceKind) -> FusedOps {
+        let all = match self.fused_ops {
+            Some(fused) => FusedOps::all(fused),
+            None => FusedOps::device_default(kind),
+        };
+        self.fused
+            .iter()
+            .fold(all, |ops, (&op, &fused)| ops.with(op, fused))
+    }
 }
 
 /// Activation checkpointing: which activations of the forward are recomputed in the backward
@@ -377,17 +394,24 @@ fn apply_override(table: &mut toml::Table, assignment: &str) -> anyhow::Result<(
         bail!("--set {assignment:?} is not of the form section.key=value");
     };
     let keys: Vec<&str> = path.trim().split('.').collect();
-    if keys.len() != 2 || keys.iter().any(|k| k.is_empty()) {
-        bail!("--set {assignment:?}: the key {path:?} must be section.key");
+    if keys.len() < 2 || keys.iter().any(|k| k.is_empty()) {
+        bail!("--set {assignment:?}: the key {path:?} must be section.key (or section.table.key)");
     }
-    let value = parse_value(raw.trim());
-    let section = table
-        .entry(keys[0])
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    let Some(section) = section.as_table_mut() else {
-        bail!("--set {assignment:?}: {} is not a section", keys[0]);
-    };
-    section.insert(keys[1].to_string(), value);
+    let (last, tables) = keys.split_last().expect("two keys or more");
+    let mut table = table;
+    for (depth, key) in tables.iter().enumerate() {
+        let entry = table
+            .entry(*key)
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let Some(inner) = entry.as_table_mut() else {
+            bail!(
+                "--set {assignment:?}: {} is not a table",
+                keys[..=depth].join(".")
+            );
+        };
+        table = inner;
+    }
+    table.insert(last.to_string(), parse_value(raw.trim()));
     Ok(())
 }
 
@@ -812,5 +836,51 @@ mod tests {
             err,
             "cannot resume: model.n_layer is 4 in the checkpoint but 6 in the given config"
         );
+    }
+
+    /// Absent `train.fused_ops` leaves each device its defaults; `true`/`false` sets every op;
+    /// `train.fused.<op>` then sets one op, on either; an unknown op is named with the known
+    /// ones; the choice survives the saved config.
+    #[test]
+    fn fused_ops_follow_the_device_then_the_switch_then_each_op() {
+        let parse = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            RunConfig::parse(DEFAULT_CONFIG, "default", &sets).unwrap()
+        };
+        let defaults = parse(&[]);
+        for kind in [DeviceKind::Cpu, DeviceKind::Wgpu, DeviceKind::Cuda] {
+            assert_eq!(
+                defaults.train.fused_ops(kind),
+                FusedOps::device_default(kind)
+            );
+        }
+        let cuda = defaults.train.fused_ops(DeviceKind::Cuda);
+        assert!(!cuda.is_fused(FusedOp::Attention) && cuda.is_fused(FusedOp::BiasGelu));
+
+        let none = parse(&["train.fused_ops=false"]);
+        assert_eq!(none.train.fused_ops(DeviceKind::Cpu), FusedOps::all(false));
+        let all = parse(&["train.fused_ops=true"]);
+        assert_eq!(all.train.fused_ops(DeviceKind::Cuda), FusedOps::all(true));
+
+        let one = parse(&["train.fused_ops=false", "train.fused.swiglu=true"]);
+        let expected = FusedOps::all(false).with(FusedOp::Swiglu, true);
+        assert_eq!(one.train.fused_ops(DeviceKind::Cuda), expected);
+        let attention = parse(&["train.fused.attention=true", "train.fused.bias_gelu=false"]);
+        let expected = FusedOps::device_default(DeviceKind::Cuda)
+            .with(FusedOp::Attention, true)
+            .with(FusedOp::BiasGelu, false);
+        assert_eq!(attention.train.fused_ops(DeviceKind::Cuda), expected);
+        let saved = toml::to_string(&attention).unwrap();
+        let reread = RunConfig::parse(&saved, "saved", &[]).unwrap();
+        assert_eq!(reread.train.fused_ops(DeviceKind::Cuda), expected);
+
+        let err = RunConfig::parse(DEFAULT_CONFIG, "default", &["train.fused.gelu=true".into()])
+            .unwrap_err();
+        let err = format!("{err:#}");
+        assert!(err.contains("gelu") && err.contains("bias_gelu"), "{err}");
+        let err = RunConfig::parse(DEFAULT_CONFIG, "default", &["train.seed.x=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.seed is not a table"), "{err}");
     }
 }

@@ -1,10 +1,11 @@
 //! The backend behind `--device`: the recipe is generic over the backend it trains on, and this
 //! is where a device kind named at run time picks the backend type (`Parallel<Flex>`,
-//! `Parallel<Wgpu>`, `Parallel<Cuda>` in a build with `--features cuda`).
+//! `Parallel<FusedWgpu>`, `Parallel<FusedCuda>` in a build with `--features cuda`: Burn's CubeCL
+//! backends under Burn's fusion, see `wildfire_backend::device`).
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, Flex, Wgpu};
-use wildfire_backend::device::{DeviceKind, DeviceSpec, RankDevice};
+use burn::backend::{Autodiff, Flex};
+use wildfire_backend::device::{DeviceKind, DeviceSpec, FusedWgpu, RankDevice};
 use wildfire_backend::{DecoratedBackend, Parallel};
 
 use crate::TrainBackend;
@@ -43,9 +44,9 @@ pub trait DeviceJob {
 pub fn on_device<J: DeviceJob>(kind: DeviceKind, job: J) -> anyhow::Result<J::Output> {
     match kind {
         DeviceKind::Cpu => job.run::<Parallel<Flex>>(),
-        DeviceKind::Wgpu => job.run::<Parallel<Wgpu>>(),
+        DeviceKind::Wgpu => job.run::<Parallel<FusedWgpu>>(),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => job.run::<Parallel<burn::backend::Cuda>>(),
+        DeviceKind::Cuda => job.run::<Parallel<wildfire_backend::device::FusedCuda>>(),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda => anyhow::bail!(
             "--device cuda needs a wildfire built with CUDA: cargo build --release --features \

@@ -1,7 +1,7 @@
 //! `wildfire train --device wgpu` against `--device cpu`: the recipe on its CubeCL path (the
-//! code the CUDA backend runs, here through WGSL on Mesa's lavapipe), serial and in every
-//! parallel layout, with its checkpoints, resume and generation, checked against the CPU run of
-//! the same config.
+//! code the CUDA backend runs, Burn's fusion with our kernels queued in its stream, here through
+//! WGSL on Mesa's lavapipe), serial and in every parallel layout, with its checkpoints, resume
+//! and generation, checked against the CPU run of the same config.
 //!
 //! Tolerance. Both devices start from the same parameters (drawn on the CPU from the seed) and
 //! compute in f32; they differ in summation orders (lavapipe's matmul tiles and reductions
@@ -52,26 +52,65 @@ fn device_args(dir: &Path, device: &str, extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// A run of one process on `device` with `extra`, which must succeed.
+/// A run of one process on `device` with `extra`, which must succeed; on wgpu every fused op
+/// must have run its CubeCL kernel queued in Burn's fusion stream, and none the reference
+/// ([`assert_kernels_under_fusion`]).
 fn single(name: &str, device: &str, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let args = device_args(&dir, device, extra);
     let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    if device == "wgpu" {
+        assert_kernels_under_fusion(&text(&out), &format!("{args:?}"));
+    }
     dir
 }
 
-/// A run of `ranks` processes under `wildfire launch` on `device` with `extra`.
+/// The kernel paths a `wildfire train` run on wgpu printed (`kernel path: <op>: <path> ×<n>`):
+/// the ops of its model (the GPT's attention, bias + GELU and LayerNorm; Llama's attention,
+/// RoPE, SwiGLU and RMSNorm) took their CubeCL kernels in the fusion stream, both ways, and
+/// no op took the reference.
+fn assert_kernels_under_fusion(out: &str, what: &str) {
+    let paths: Vec<&str> = out
+        .lines()
+        .filter_map(|line| line.split_once("kernel path: ").map(|(_, path)| path))
+        .collect();
+    assert!(!paths.is_empty(), "{what}: no kernel paths printed:\n{out}");
+    let ops: &[&str] = match out.contains("training a llama") {
+        true => &["attention", "rope", "swiglu", "rms_norm"],
+        false => &["attention", "bias_gelu", "layer_norm"],
+    };
+    for op in ops {
+        let fused = |line: &&&str| {
+            line.starts_with(op) && line.contains("the CubeCL kernel in the fusion stream")
+        };
+        assert!(
+            paths.iter().any(|line| fused(&line)),
+            "{what}: {op} not fused: {paths:?}"
+        );
+    }
+    assert!(
+        !paths.iter().any(|line| line.contains("the reference")),
+        "{what}: an op ran the reference: {paths:?}"
+    );
+}
+
+/// A run of `ranks` processes under `wildfire launch` on `device` with `extra`, checked as
+/// [`single`] checks its run.
 fn launched(name: &str, device: &str, ranks: usize, port: u16, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let args = device_args(&dir, device, extra);
     let out = launch(ranks, port, &args);
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
+    if device == "wgpu" {
+        assert_kernels_under_fusion(&text(&out), &format!("{args:?}"));
+    }
     dir
 }
 
 /// 20 steps on wgpu follow the CPU run: losses at every step and the parameters of every
-/// checkpoint. Then the same checkpoints cross devices: a wgpu run's step-10 checkpoint resumed
+/// checkpoint, for the GPT and for llama-tiny, every fused op on its kernel in Burn's fusion
+/// stream. Then the same checkpoints cross devices: a wgpu run's step-10 checkpoint resumed
 /// on the CPU, and the CPU run's resumed on wgpu, continue the trajectory. And greedy generation
 /// from the last checkpoint writes the same text on both devices.
 #[test]
@@ -88,6 +127,11 @@ fn on_wgpu_the_recipe_trains_resumes_and_generates_as_on_cpu() {
     let cpu = single("device-cpu", "cpu", &twenty);
     let wgpu = single("device-wgpu", "wgpu", &twenty);
     assert_trains_within(&cpu, &wgpu, "wgpu against cpu, 20 steps", TWENTY_STEPS);
+    let llama = [&twenty[..], &["--set", "model.preset=\"llama-tiny\""]].concat();
+    let llama_cpu = single("device-cpu-llama", "cpu", &llama);
+    let llama_wgpu = single("device-wgpu-llama", "wgpu", &llama);
+    let what = "llama-tiny on wgpu against cpu, 20 steps";
+    assert_trains_within(&llama_cpu, &llama_wgpu, what, TWENTY_STEPS);
 
     for (from, to, reference) in [(&wgpu, "cpu", &cpu), (&cpu, "wgpu", &wgpu)] {
         let what = format!("checkpoint of {} resumed on {to}", from.display());

@@ -5,10 +5,12 @@
 //! backend the fused path is Flex's loops; on wgpu (lavapipe on CI) the CubeCL kernels, and the
 //! reference in Burn ops for the norms and the rotation.
 
-use burn::backend::{Autodiff, Wgpu};
+use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
+use wildfire_backend::device::FusedWgpu;
+use wildfire_backend::kernels::choice::FusedOps;
 use wildfire_backend::kernels::probe;
 use wildfire_backend::{DecoratedBackend, Parallel};
 use wildfire_recipes::CpuBackend;
@@ -25,7 +27,8 @@ fn step<A: AutodiffBackend + DecoratedBackend>(
     let config = preset.config(65);
     let device = device.clone();
     A::seed(&device, 7);
-    let model = Gpt::<A>::new(&config, StageSpec::whole(&config), &device).with_fused_ops(fused);
+    let model = Gpt::<A>::new(&config, StageSpec::whole(&config), &device)
+        .with_fused_ops(FusedOps::all(fused));
     let tokens = Tensor::<A, 2, Int>::random([4, 128], Distribution::Uniform(0.0, 65.0), &device);
     let targets = Tensor::<A, 2, Int>::random([4, 128], Distribution::Uniform(0.0, 65.0), &device);
     let loss = model.loss_sum(model.forward(tokens), targets) / (4.0 * 128.0);
@@ -82,16 +85,18 @@ const F32_SUMS: Tolerance = Tolerance {
     gradient: 1e-5,
 };
 
-/// The same on `Autodiff<Parallel<Wgpu>>`, where the fused path is the CubeCL kernels. Without
-/// a wgpu adapter it reports itself skipped, unless `WILDFIRE_REQUIRE_WGPU=1` (CI).
+/// The same on `Autodiff<Parallel<FusedWgpu>>` (what `--device wgpu` trains on), where the fused
+/// path is the CubeCL kernels queued in Burn's fusion stream and the decomposed one Burn's ops
+/// under its fusion. Without a wgpu adapter it reports itself skipped, unless
+/// `WILDFIRE_REQUIRE_WGPU=1` (CI).
 #[test]
 fn on_wgpu_the_kernels_train_like_the_decomposed_ops() {
     if let Some(device) = probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU") {
-        compare_steps::<Autodiff<Parallel<Wgpu>>>(&device, F32_SUMS);
+        compare_steps::<Autodiff<Parallel<FusedWgpu>>>(&device, F32_SUMS);
     }
 }
 
-/// The same on `Autodiff<Parallel<Cuda>>` (`--features cuda`; `scripts/gpu-check.sh`). Burn's
+/// The same on `Autodiff<Parallel<FusedCuda>>` (`--features cuda`; `scripts/gpu-check.sh`). Burn's
 /// f32 matmuls, which the decomposed attention uses, run on TF32 tensor cores there (inputs
 /// rounded to 2⁻¹¹), the fused kernels in f32 arithmetic: the two paths differ by a few TF32
 /// roundings of the attention scores, carried through four blocks' backward, so the tolerance is
@@ -104,7 +109,7 @@ fn on_cuda_the_kernels_train_like_the_decomposed_ops() {
             loss: 1e-4,
             gradient: 1e-2,
         };
-        compare_steps::<Autodiff<Parallel<burn::backend::Cuda>>>(&device, tf32);
+        compare_steps::<Autodiff<Parallel<wildfire_backend::device::FusedCuda>>>(&device, tf32);
     }
 }
 

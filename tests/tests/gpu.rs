@@ -9,6 +9,7 @@ use burn::backend::cuda::CudaDevice;
 use burn::backend::{Autodiff, Cuda};
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{nccl_device, run_thread_ranks, selfcheck};
+use wildfire_backend::device::FusedCuda;
 use wildfire_backend::kernels::probe;
 use wildfire_tests::options;
 use wildfire_tests::training::mlp_training_bits;
@@ -21,12 +22,17 @@ macro_rules! require_cuda {
     };
 }
 
+/// Bare, and under Burn's fusion (what `--device cuda` trains on).
 #[test]
 fn decorator_is_bitwise_identical_on_cuda() {
     require_cuda!();
     assert_eq!(
         mlp_training_bits::<Autodiff<Cuda>>(),
         mlp_training_bits::<Autodiff<Parallel<Cuda>>>()
+    );
+    assert_eq!(
+        mlp_training_bits::<Autodiff<FusedCuda>>(),
+        mlp_training_bits::<Autodiff<Parallel<FusedCuda>>>()
     );
 }
 
@@ -49,12 +55,17 @@ fn every_op_is_exact_on_cuda_tensors() {
     } else {
         println!("skipped: NCCL between ranks needs 2+ GPUs (one per rank), {gpus} present");
     }
+    // Bare CUDA tensors, and fused ones (resolved through the fusion stream and adopted back).
     for n in worlds {
         let summaries = run_thread_ranks(
             n,
             options(120.0, false),
             Duration::from_secs(300),
-            |world| selfcheck::run::<Cuda>(&world, &CudaDevice::new(world.rank()), true),
+            |world| {
+                let device = CudaDevice::new(world.rank());
+                selfcheck::run::<Cuda>(&world, &device, true)?;
+                selfcheck::run::<FusedCuda>(&world, &device, true)
+            },
         );
         for summary in summaries {
             summary.expect("exact on CUDA tensors");

@@ -1,11 +1,13 @@
 //! Collectives on CUDA tensors through NCCL, on the tensors' device buffers (no host copies).
 //!
-//! **Routing.** A collective whose tensor primitive is burn-cuda's `CubeTensor<CudaRuntime>`
-//! (directly, or inside `Parallel<Cuda>`, which keeps its inner backend's primitives) runs here;
-//! every other backend goes through host memory (`comm::tensor`). The test is by type, so all
-//! ranks of a group take the same path when they use the same backend. burn-cuda built with
-//! Burn's `fusion` feature wraps its tensors in fusion handles and takes the host path.
-//! `WILDFIRE_NCCL=0` forces the host path for CUDA tensors too.
+//! **Routing.** A collective whose tensor primitive is a CUDA tensor runs here: CubeCL's
+//! `CubeTensor<CudaRuntime>` (Burn's bare CUDA backend) or a tensor of Burn's fusion backend over
+//! it (`FusedCuda`, what `--device cuda` runs), directly or inside `Parallel<_>`, which keeps its
+//! inner backend's primitives. A fused tensor is resolved through its fusion client first (the
+//! fusion queue runs up to it on the host's side; see `crate::fusion`), and the result enters
+//! the fusion stream as a new tensor. Every other backend goes through host memory
+//! (`comm::tensor`). The test is by type, so all ranks of a group take the same path when they
+//! use the same backend. `WILDFIRE_NCCL=0` forces the host path for CUDA tensors too.
 //!
 //! **Ordering against CubeCL.** CubeCL queues its kernels on a stream it does not expose. Before
 //! each collective this module allocates the output through CubeCL, resolves both device
@@ -34,6 +36,7 @@
 //! point-to-point needs sends and receives posted together (`ncclGroupStart`/`End`), which the
 //! pipeline executor can do for each step; until then CUDA tensors are sent through host memory.
 
+use std::any::TypeId;
 use std::ffi::c_int;
 use std::sync::OnceLock;
 
@@ -58,6 +61,7 @@ use super::layout::split_sizes;
 use super::mailbox::OpKind;
 use super::nccl::{NcclLibrary, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id};
 use super::nccl_device::{NcclComm, NcclMember, check_cuda_driver};
+use crate::fusion::{self, FusedTensor};
 use crate::typecast::{cast, same};
 
 /// burn-cuda's tensor primitive (float, int and bool alike).
@@ -68,9 +72,13 @@ fn nccl_enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("WILDFIRE_NCCL").map_or(true, |v| v != "0"))
 }
 
-/// The CUDA tensor inside `primitive`: an int or bool primitive of a CUDA backend, a float one
-/// of backend `B`, or a `TensorPrimitive<B>` holding a float one. `Err` gives back a primitive
-/// that holds none (another backend), or all of them when NCCL is switched off.
+/// The fused CUDA tensor of Burn's fusion backend (`FusedCuda`'s primitives).
+type FusedCudaTensor = FusedTensor<CudaRuntime>;
+
+/// The CUDA tensor inside `primitive`: an int or bool primitive of a CUDA backend, bare or fused,
+/// a float one of backend `B`, or a `TensorPrimitive<B>` holding a float one. A fused tensor is
+/// resolved (its fusion stream runs up to it first). `Err` gives back a primitive that holds
+/// none (another backend), or all of them when NCCL is switched off.
 fn into_cuda<P: 'static, B: Backend>(primitive: P) -> Result<CudaTensor, P> {
     if !nccl_enabled() {
         return Err(primitive);
@@ -79,19 +87,39 @@ fn into_cuda<P: 'static, B: Backend>(primitive: P) -> Result<CudaTensor, P> {
         Ok(tensor) => return Ok(tensor),
         Err(primitive) => primitive,
     };
+    let primitive = match cast::<P, FusedCudaTensor>(primitive) {
+        Ok(tensor) => return Ok(fusion::resolve(tensor)),
+        Err(primitive) => primitive,
+    };
     match cast::<P, TensorPrimitive<B>>(primitive) {
-        Ok(TensorPrimitive::Float(tensor)) => cast::<FloatTensor<B>, CudaTensor>(tensor)
+        Ok(TensorPrimitive::Float(tensor)) => into_cuda::<FloatTensor<B>, B>(tensor)
             .map_err(|tensor| same(TensorPrimitive::<B>::Float(tensor))),
         Ok(other) => Err(same(other)),
         Err(primitive) => Err(primitive),
     }
 }
 
-/// The primitive of type `P` (as in [`into_cuda`]) holding a CUDA tensor.
+/// The primitive of type `P` (as in [`into_cuda`]) holding a CUDA tensor: the tensor itself, or
+/// a new tensor of its device's fusion stream where the backend is fused.
 fn from_cuda<P: 'static, B: Backend>(tensor: CudaTensor) -> P {
-    match cast::<CudaTensor, P>(tensor) {
-        Ok(primitive) => primitive,
-        Err(tensor) => same(TensorPrimitive::<B>::Float(same(tensor))),
+    if is_cuda_primitive::<P>() {
+        return as_cuda_primitive(tensor);
+    }
+    let float: FloatTensor<B> = as_cuda_primitive(tensor);
+    same(TensorPrimitive::<B>::Float(float))
+}
+
+/// Whether `T` is a CUDA tensor, bare or fused.
+fn is_cuda_primitive<T: 'static>() -> bool {
+    let t = TypeId::of::<T>();
+    t == TypeId::of::<CudaTensor>() || t == TypeId::of::<FusedCudaTensor>()
+}
+
+/// `tensor` as a `T` that [`is_cuda_primitive`]: itself, or adopted by the fusion stream.
+fn as_cuda_primitive<T: 'static>(tensor: CudaTensor) -> T {
+    match TypeId::of::<T>() == TypeId::of::<FusedCudaTensor>() {
+        true => same(fusion::adopt(tensor)),
+        false => same(tensor),
     }
 }
 

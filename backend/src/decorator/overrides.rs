@@ -24,7 +24,7 @@ pub(super) fn float_matmul<B: Backend>(
     rhs: FloatTensor<Parallel<B>>,
 ) -> FloatTensor<Parallel<B>> {
     match matmul_precision().compute_dtype() {
-        None => match on_flex([lhs, rhs], matmul::flex::matmul) {
+        None => match on_flex("matmul", [lhs, rhs], matmul::flex::matmul) {
             Ok([product]) => product,
             Err([lhs, rhs]) => B::float_matmul(lhs, rhs),
         },
@@ -48,7 +48,7 @@ pub(super) fn float_add<B: Backend>(
     lhs: FloatTensor<Parallel<B>>,
     rhs: FloatTensor<Parallel<B>>,
 ) -> FloatTensor<Parallel<B>> {
-    match on_flex([lhs, rhs], add::add) {
+    match on_flex("add", [lhs, rhs], add::add) {
         Ok([sum]) => sum,
         Err([lhs, rhs]) => B::float_add(lhs, rhs),
     }

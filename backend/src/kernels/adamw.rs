@@ -119,7 +119,7 @@ impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
         let scalars = self.scalars(lr, time);
         let inputs = [param, grad, momentum.moment_1, momentum.moment_2]
             .map(|t| t.into_primitive().tensor());
-        match on_flex_owned(inputs, |inputs| step_in_place(inputs, &scalars)) {
+        match on_flex_owned("adamw", inputs, |inputs| step_in_place(inputs, &scalars)) {
             Ok([param, moment_1, moment_2]) => {
                 let momentum = AdaptiveMomentumState {
                     time,

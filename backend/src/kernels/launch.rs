@@ -1,5 +1,5 @@
 //! What the CubeCL kernels' launches share: their output buffers, the grid of an elementwise
-//! launch, and the router's fallback when a kernel declines its inputs.
+//! launch, and the launch of inputs a kernel's check accepted.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -30,10 +30,14 @@ pub(crate) fn elementwise_grid<R: CubeRuntime>(out: &CubeTensor<R>) -> (CubeCoun
     (cubes, cube_dim)
 }
 
-/// A kernel's outputs for the router: an error, logged as `op` running the reference, sends
-/// the call to the reference.
-pub(crate) fn routed<T>(op: &str, result: Result<T, String>) -> Option<T> {
-    result
-        .inspect_err(|reason| log::debug!("{op} runs the reference: {reason}"))
-        .ok()
+/// The outputs of a kernel launched on inputs its acceptance check took
+/// ([`super::route::CubeKernel::outputs`]), which runs the same checks on the same shapes and
+/// types and so cannot decline them.
+///
+/// # Panics
+/// If it declines them all the same: the two checks disagree, a bug.
+pub(crate) fn accepted<T>(op: &str, result: Result<T, String>) -> T {
+    result.unwrap_or_else(|reason| {
+        panic!("{op}: the kernel declined inputs its acceptance check took: {reason}")
+    })
 }

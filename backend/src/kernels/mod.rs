@@ -18,11 +18,15 @@
 //!   epilogue), kernel and reference, the matmul precision policy of `Parallel<B>`, and Flex's
 //!   f32 matmul with its output written once ([`matmul::flex`]; Flex copies each one).
 //! - [`add`]: Flex's add on rayon's threads where Flex's own is slow.
+//! - [`choice`]: which of a model's fusable ops run fused, per op and per device kind.
+//! - [`cube_kernel`]: what a CubeCL kernel is to the router (a check of its inputs' shapes
+//!   and types, then a launch).
 //! - [`flex`]: what the ops' Flex loops share (f32 views, single-threaded products, parallel
 //!   writes, a vectorised `exp`).
 //! - `launch`: what the CubeCL kernels' launches share (output buffers, elementwise grids).
-//! - [`route`]: which a call takes (the kernels on CubeCL backends and on Flex, unless opted
-//!   out; the reference otherwise).
+//! - [`route`]: which a call takes (the kernels on CubeCL backends, launched or queued in
+//!   Burn's fusion stream, and on Flex, unless opted out; the reference otherwise), counted and
+//!   logged per op.
 //! - [`probe`]: whether a wgpu or CUDA device answers, and why not, for tests and benches.
 //! - [`simd`]: which SIMD (AVX-512 or AVX2) the CPU kernels take on this machine.
 
@@ -30,6 +34,8 @@ pub mod adamw;
 pub mod add;
 pub mod attention;
 pub mod bias_gelu;
+pub mod choice;
+pub mod cube_kernel;
 pub mod flex;
 mod launch;
 pub mod layer_norm;

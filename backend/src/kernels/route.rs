@@ -1,58 +1,120 @@
 //! Which implementation a kernel call takes, by the type of the backend's tensor primitive:
 //!
 //! - a CubeCL runtime's tensor (`CubeTensor<WgpuRuntime>` with the `wgpu` feature,
-//!   `CubeTensor<CudaRuntime>` with `cuda`: Burn's `Wgpu` and `Cuda`, bare or inside
-//!   `Parallel<_>`): the CubeCL kernel ([`on_cube`]);
+//!   `CubeTensor<CudaRuntime>` with `cuda`: Burn's bare `Wgpu` and `Cuda`, alone or inside
+//!   `Parallel<_>`): the CubeCL kernel, launched at once ([`on_cube`]);
+//! - a tensor of Burn's fusion backend over one of those runtimes (`Fusion<CubeBackend<..>>`,
+//!   [`crate::device::FusedWgpu`] and [`crate::device::FusedCuda`]): the same kernel, queued in
+//!   the fusion stream as a custom operation ([`crate::fusion`]);
 //! - Flex's tensor (Burn's CPU backend): the native loops of [`super::flex`] ([`on_flex`]);
 //! - otherwise, or when a kernel declines its inputs (a dtype, a shape outside its range): the
 //!   reference in Burn tensor ops.
 //!
-//! The choice is by type, so every rank of a job takes the same path.
+//! A CubeCL kernel decides whether it takes a call from the inputs' shapes and types alone
+//! ([`CubeKernel::outputs`]), before anything is launched or queued: a queued operation cannot
+//! decline when its turn comes. The choice is by type and shape, so every rank of a job takes
+//! the same path.
+//!
+//! **Never a silent fallback.** Every call is counted by op and path ([`kernel_paths`]), and the
+//! first call of an op on each path is logged (`info`), with the reason when a kernel declined.
 //!
 //! **The kernels are the default.** `WILDFIRE_KERNELS=reference` (or
 //! [`set_kernels_enabled`]`(false)`) sends every call to the reference instead, e.g. to compare
 //! the two or to rule the kernels out.
 
+use burn::tensor::TensorMetadata;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use burn_flex::FlexTensor;
 
 use std::any::TypeId;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use super::cube_kernel::{CubeKernel, TensorSpec};
+use crate::fusion::{FusedTensor, queue_kernel};
 use crate::typecast::same;
 
 #[cfg(feature = "wgpu")]
 use cubecl::wgpu::WgpuDevice;
 
-/// A kernel taking `N` tensors and giving `M`, on any CubeCL runtime.
-pub(crate) trait CubeKernel<const N: usize, const M: usize> {
-    /// The outputs, or `None` when the kernel does not take these inputs (the caller then runs
-    /// the reference): a dtype the device lacks, a shape outside the kernel's range.
-    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; N]) -> Option<[CubeTensor<R>; M]>;
-}
-
-/// `kernel` on `inputs` (primitives of type `P`) when `P` is a CubeCL tensor and the kernel
-/// takes them; otherwise the inputs back.
-pub(crate) fn on_cube<P: 'static, const N: usize, const M: usize>(
-    kernel: &impl CubeKernel<N, M>,
+/// `kernel` on `inputs` (primitives of type `P`) when `P` is a CubeCL tensor or a fused one and
+/// the kernel takes them; otherwise the inputs back.
+pub(crate) fn on_cube<P: 'static, K: CubeKernel<N, M>, const N: usize, const M: usize>(
+    kernel: &K,
     inputs: [P; N],
 ) -> Result<[P; M], [P; N]> {
     if !kernels_enabled() {
         return Err(inputs);
     }
     #[cfg(feature = "wgpu")]
-    let inputs = match on_runtime::<cubecl::wgpu::WgpuRuntime, P, N, M>(kernel, inputs) {
+    let inputs = match on_runtime::<cubecl::wgpu::WgpuRuntime, P, K, N, M>(kernel, inputs) {
         Ok(outputs) => return Ok(outputs),
         Err(inputs) => inputs,
     };
     #[cfg(feature = "cuda")]
-    let inputs = match on_runtime::<cubecl::cuda::CudaRuntime, P, N, M>(kernel, inputs) {
+    let inputs = match on_runtime::<cubecl::cuda::CudaRuntime, P, K, N, M>(kernel, inputs) {
         Ok(outputs) => return Ok(outputs),
         Err(inputs) => inputs,
     };
     let _ = kernel;
     Err(inputs)
+}
+
+/// [`on_cube`] for runtime `R`: its tensors launch the kernel, its fused tensors queue it.
+fn on_runtime<R: CubeRuntime, P: 'static, K: CubeKernel<N, M>, const N: usize, const M: usize>(
+    kernel: &K,
+    inputs: [P; N],
+) -> Result<[P; M], [P; N]> {
+    let launched = on_primitive::<CubeTensor<R>, _, N, M>(inputs, |tensors| {
+        let device = tensors[0].device.clone();
+        when_taken::<R, _, K, N, M>(
+            kernel,
+            tensors,
+            &device,
+            KernelPath::CubeCl,
+            |tensors, _| kernel.launch(tensors),
+        )
+    });
+    let inputs = match launched {
+        Ok(outputs) => return Ok(outputs),
+        Err(inputs) => inputs,
+    };
+    on_primitive::<FusedTensor<R>, _, N, M>(inputs, |tensors| {
+        let device = tensors[0].client.device().clone();
+        let path = KernelPath::CubeClFused;
+        when_taken::<R, _, K, N, M>(kernel, tensors, &device, path, |tensors, outputs| {
+            queue_kernel(kernel.clone(), tensors, outputs)
+        })
+    })
+}
+
+/// `run` on `tensors` (with the outputs' shapes and types) when `kernel` takes them on `device`,
+/// counted on `path`; otherwise the tensors back, the kernel's reason noted.
+fn when_taken<R, T, K, const N: usize, const M: usize>(
+    kernel: &K,
+    tensors: [T; N],
+    device: &R::Device,
+    path: KernelPath,
+    run: impl FnOnce([T; N], [TensorSpec; M]) -> [T; M],
+) -> Result<[T; M], [T; N]>
+where
+    R: CubeRuntime,
+    T: TensorMetadata,
+    K: CubeKernel<N, M>,
+{
+    let specs = tensors.each_ref().map(TensorSpec::of);
+    match kernel.outputs::<R>(&specs, device) {
+        Ok(outputs) => {
+            record(kernel.op(), path);
+            Ok(run(tensors, outputs))
+        }
+        Err(reason) => {
+            declined(kernel.op(), &reason);
+            Err(tensors)
+        }
+    }
 }
 
 /// Whether CubeCL backends run the kernels: as [`set_kernels_enabled`] last said, or else as
@@ -92,33 +154,29 @@ const ENABLED: u8 = 2;
 static KERNELS: AtomicU8 = AtomicU8::new(UNDECIDED);
 
 /// `launch` on `inputs` when they are Flex's tensors (unless the kernels are opted out) and it
-/// takes them; otherwise the inputs back.
+/// takes them, counted under `op`; otherwise the inputs back.
 pub(crate) fn on_flex<P: 'static, const N: usize, const M: usize>(
+    op: &'static str,
     inputs: [P; N],
     launch: impl FnOnce([FlexTensor; N]) -> Option<[FlexTensor; M]>,
 ) -> Result<[P; M], [P; N]> {
-    on_flex_owned(inputs, handing_back(launch))
+    on_flex_owned(op, inputs, handing_back(launch))
 }
 
 /// [`on_flex`] for a launch that owns its inputs: it hands them back itself when it declines
 /// them, so no other handle to their memory is kept while it runs, and a launch that takes
 /// them can write into that memory (Flex's copy-on-write then copies nothing).
 pub(crate) fn on_flex_owned<P: 'static, const N: usize, const M: usize>(
+    op: &'static str,
     inputs: [P; N],
     launch: impl FnOnce([FlexTensor; N]) -> Result<[FlexTensor; M], [FlexTensor; N]>,
 ) -> Result<[P; M], [P; N]> {
     if !kernels_enabled() {
         return Err(inputs);
     }
-    on_primitive(inputs, launch)
-}
-
-/// [`on_cube`] for runtime `R`.
-fn on_runtime<R: CubeRuntime, P: 'static, const N: usize, const M: usize>(
-    kernel: &impl CubeKernel<N, M>,
-    inputs: [P; N],
-) -> Result<[P; M], [P; N]> {
-    on_primitive::<CubeTensor<R>, _, N, M>(inputs, handing_back(|tensors| kernel.launch(tensors)))
+    let outputs = on_primitive(inputs, launch)?;
+    record(op, KernelPath::Flex);
+    Ok(outputs)
 }
 
 /// A launch that may decline its inputs (`None`) as one that hands them back: it runs on
@@ -141,6 +199,98 @@ fn on_primitive<T: 'static, P: 'static, const N: usize, const M: usize>(
     launch(inputs.map(same::<P, T>))
         .map(|outputs| outputs.map(same))
         .map_err(|tensors| tensors.map(same))
+}
+
+/// The implementation a call of an op took.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KernelPath {
+    /// A CubeCL kernel, launched at once (Burn's bare CubeCL backends).
+    CubeCl,
+    /// A CubeCL kernel, queued in Burn's fusion stream as a custom operation.
+    CubeClFused,
+    /// Flex's native loops.
+    Flex,
+    /// The reference in Burn tensor ops.
+    Reference,
+}
+
+impl std::fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::CubeCl => "the CubeCL kernel",
+            Self::CubeClFused => "the CubeCL kernel in the fusion stream",
+            Self::Flex => "Flex's native loops",
+            Self::Reference => "the reference in Burn ops",
+        })
+    }
+}
+
+/// Calls per op and path in this process.
+static TAKEN: Mutex<BTreeMap<(&'static str, KernelPath), u64>> = Mutex::new(BTreeMap::new());
+
+/// Ops whose kernel declined a call, with the first reason (logged once per op).
+static DECLINED: Mutex<BTreeMap<&'static str, String>> = Mutex::new(BTreeMap::new());
+
+/// Counts a call of `op` on `path`; the first of each is logged.
+fn record(op: &'static str, path: KernelPath) {
+    let mut taken = TAKEN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let count = taken.entry((op, path)).or_insert(0);
+    if *count == 0 {
+        log::info!("kernels: {op} takes {path}");
+    }
+    *count += 1;
+}
+
+/// Notes that `op`'s kernel declined a call (logged the first time, at `debug` after).
+fn declined(op: &'static str, reason: &str) {
+    let mut declined = DECLINED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    match declined.contains_key(op) {
+        true => log::debug!("kernels: {op}'s kernel declined a call: {reason}"),
+        false => {
+            log::info!("kernels: {op}'s kernel declined a call: {reason}");
+            declined.insert(op, reason.to_owned());
+        }
+    }
+}
+
+/// Counts a call of `op` that ran the reference (every op's router calls it on that path).
+pub(crate) fn took_reference(op: &'static str) {
+    record(op, KernelPath::Reference);
+}
+
+/// How many calls of each op took each path in this process so far, by op and path.
+pub fn kernel_paths() -> Vec<(&'static str, KernelPath, u64)> {
+    let taken = TAKEN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    taken
+        .iter()
+        .map(|(&(op, path), &count)| (op, path, count))
+        .collect()
+}
+
+/// [`kernel_paths`] as lines, `attention forward: the CubeCL kernel in the fusion stream ×60`,
+/// each reference path followed by the reason the op's kernel first declined, if it did.
+pub fn describe_kernel_paths() -> Vec<String> {
+    let declined = DECLINED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    kernel_paths()
+        .into_iter()
+        .map(|(op, path, count)| {
+            let why = match (path, declined.get(op)) {
+                (KernelPath::Reference, Some(reason)) => {
+                    format!(" (its kernel declined: {reason})")
+                }
+                _ => String::new(),
+            };
+            format!("{op}: {path} ×{count}{why}")
+        })
+        .collect()
 }
 
 /// Lavapipe (Mesa's CPU Vulkan driver, through wgpu) ends every loop of a shader invocation
@@ -192,17 +342,22 @@ fn machine_has_cpu_adapter() -> bool {
     })
 }
 
-/// The CubeCL runtime whose kernels primitives of type `P` run, if any: `"wgpu"` or `"cuda"`.
+/// The CubeCL runtime whose kernels primitives of type `P` run, bare or fused, if any: `"wgpu"`
+/// or `"cuda"`.
 pub fn cube_runtime<P: 'static>() -> Option<&'static str> {
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    fn is_of<P: 'static, R: CubeRuntime>() -> bool {
+        let p = TypeId::of::<P>();
+        p == TypeId::of::<CubeTensor<R>>() || p == TypeId::of::<FusedTensor<R>>()
+    }
     #[cfg(feature = "wgpu")]
-    if TypeId::of::<P>() == TypeId::of::<CubeTensor<cubecl::wgpu::WgpuRuntime>>() {
+    if is_of::<P, cubecl::wgpu::WgpuRuntime>() {
         return Some("wgpu");
     }
     #[cfg(feature = "cuda")]
-    if TypeId::of::<P>() == TypeId::of::<CubeTensor<cubecl::cuda::CudaRuntime>>() {
+    if is_of::<P, cubecl::cuda::CudaRuntime>() {
         return Some("cuda");
     }
-    let _ = TypeId::of::<P>;
     None
 }
 

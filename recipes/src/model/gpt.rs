@@ -20,8 +20,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::DecoratedBackend;
 use wildfire_backend::comm::{CommError, split_ranges};
-use wildfire_backend::kernels::attention::{fused_qkv_attention, unpack};
+use wildfire_backend::kernels::attention::{fused_attention, fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
+use wildfire_backend::kernels::choice::{FusedOp, FusedOps};
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::layer_norm::{
     layer_norm as fused_layer_norm, rms_norm as fused_rms_norm,
@@ -219,10 +220,13 @@ pub struct CausalSelfAttention<B: Backend> {
     pub rotary: Option<Rotary>,
     /// Whether the attention core runs as one fused op with its fused backward
     /// (`wildfire_backend::kernels::attention`) rather than as decomposed ops (it does only where
-    /// `attn_dropout` is 0: the fused op has no dropout of the attention weights), and Llama's
-    /// rotary embedding as one op each way (`wildfire_backend::kernels::rope`).
+    /// `attn_dropout` is 0: the fused op has no dropout of the attention weights).
     #[module(skip)]
     pub fused: bool,
+    /// Whether Llama's rotary embedding runs as one op each way
+    /// (`wildfire_backend::kernels::rope`).
+    #[module(skip)]
+    pub fused_rope: bool,
 }
 
 /// `c_proj(gelu_tanh(c_fc(x)))` (GPT, hidden width 4d), or SwiGLU
@@ -370,6 +374,7 @@ impl<B: Backend> Block<B> {
                 n_kv_head: config.n_kv_head,
                 rotary: rotary.cloned(),
                 fused: true,
+                fused_rope: true,
             },
             ln_2: norm(config, device),
             mlp: Mlp {
@@ -398,31 +403,36 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
     /// the sequence in and out; the QKV projection gathers the whole sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
-        let sections = self.sections(x, 0);
-        let [batch, seq, three_heads, d_head] = sections.dims();
-        // This rank's heads: those of its columns of each of Q, K and V.
-        let heads = three_heads / 3;
-        let d = heads * d_head;
-        // A split projection gives this rank a contiguous range of the heads (the columns are
-        // split per section, at head boundaries).
-        let (rank, size) = self.c_proj.tp.rank_and_size();
-        let head_part = (size > 1).then(|| ActivationPart {
-            dim: 1,
-            range: rank * heads..(rank + 1) * heads,
-            whole: heads * size,
-        });
-        let y = match self.fused && self.attn_dropout.prob == 0.0 {
-            true => fused_qkv_attention(sections, true),
-            false => {
-                let [q, k, v] = unpack(sections);
+        let y = match (self.fused && self.attn_dropout.prob == 0.0, &self.c_attn) {
+            (true, Some(_)) => fused_qkv_attention(self.sections(x, 0), true),
+            // Llama's key/value heads read where they lie, shared by their query heads.
+            (true, None) => {
+                let [q, k, v] = self.grouped_heads(x, 0);
+                fused_attention(q, k, v, true)
+            }
+            (false, _) => {
+                let [q, k, v] = unpack(self.sections(x, 0));
+                let head_part = self.head_part(q.dims()[1]);
                 causal_attention(q, k, v, &self.attn_dropout, head_part)
             }
         };
+        let [batch, heads, seq, d_head] = y.dims();
         let y = self
             .c_proj
-            .forward(y.swap_dims(1, 2).reshape([batch, seq, d]));
+            .forward(y.swap_dims(1, 2).reshape([batch, seq, heads * d_head]));
         let part = tp.sequence_part(y.dims()[SEQUENCE_DIM]);
         dropout_part(&self.resid_dropout, y, part)
+    }
+
+    /// Where this rank's `heads` lie among the model's: a split projection gives each rank a
+    /// contiguous range of the heads (the columns are split per section, at head boundaries).
+    fn head_part(&self, heads: usize) -> Option<ActivationPart> {
+        let (rank, size) = self.c_proj.tp.rank_and_size();
+        (size > 1).then(|| ActivationPart {
+            dim: 1,
+            range: rank * heads..(rank + 1) * heads,
+            whole: heads * size,
+        })
     }
 }
 
@@ -445,15 +455,22 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
                 // takes it whole.
                 qkv.reshape([batch, seq, width / d_head, d_head])
             }
-            None => self.grouped_sections(x, d_head, start),
+            None => {
+                // This rank's query heads per key/value head: `n_head / n_kv_head` where the
+                // plan splits both, all its query heads where ranks share one key/value head.
+                let [q, k, v] = self.grouped_heads(x, start).map(|t| t.swap_dims(1, 2));
+                let group = q.dims()[2] / k.dims()[2];
+                Tensor::cat(vec![q, repeat_heads(k, group), repeat_heads(v, group)], 2)
+            }
         }
     }
 
-    /// Llama's [`Self::sections`]: projected, Q and K rotated, and each key/value head
-    /// repeated for the query heads it serves (a rank's query heads use exactly its key/value
-    /// heads, as both are split in head order, or the one key/value head it shares with other
-    /// ranks where there are fewer than ranks).
-    fn grouped_sections(&self, x: Tensor<B, 3>, d_head: usize, start: usize) -> Tensor<B, 4> {
+    /// Llama's Q, K and V of `x` at positions `start..`: projected, Q and K rotated, each
+    /// `[batch, heads, seq, d_head]` with K and V of this rank's key/value heads (a rank's query
+    /// heads use exactly its key/value heads, as both are split in head order, or the one
+    /// key/value head it shares with other ranks where there are fewer than ranks).
+    fn grouped_heads(&self, x: Tensor<B, 3>, start: usize) -> [Tensor<B, 4>; 3] {
+        let d_head = self.head_dim();
         let project = |layer: &Option<ParallelLinear<B>>| {
             let y = layer
                 .as_ref()
@@ -472,13 +489,10 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             .as_ref()
             .expect("Llama attention has rotary tables");
         let (q, k) = (
-            rotary.apply(q, start, self.fused),
-            rotary.apply(k, start, self.fused),
+            rotary.apply(q, start, self.fused_rope),
+            rotary.apply(k, start, self.fused_rope),
         );
-        // This rank's query heads per key/value head: `n_head / n_kv_head` where the plan
-        // splits both, all its query heads where ranks share one key/value head.
-        let group = q.dims()[2] / k.dims()[2];
-        Tensor::cat(vec![q, repeat_heads(k, group), repeat_heads(v, group)], 2)
+        [q, k, v].map(|t| t.swap_dims(1, 2))
     }
 }
 
@@ -622,18 +636,27 @@ impl<B: Backend> Gpt<B> {
         model
     }
 
-    /// The same model with its fused ops on or off: the attention core (see
-    /// `CausalSelfAttention::fused`; it stays off where the attention weights have dropout)
-    /// and Llama's rotary embedding, the MLP's bias + GELU (see `Mlp::fused`) and the norms
-    /// (see `Block::fused_norm`).
-    pub fn with_fused_ops(mut self, on: bool) -> Self {
+    /// The same model with each fusable op fused or decomposed as `ops` says: the attention
+    /// core (see `CausalSelfAttention::fused`; it stays decomposed where the attention weights
+    /// have dropout) and Llama's rotary embedding, the MLP's bias + GELU or SwiGLU (see
+    /// `Mlp::fused`), and the norms, LayerNorm or RMSNorm (see `Block::fused_norm`).
+    pub fn with_fused_ops(mut self, ops: FusedOps) -> Self {
+        let norm_op = |norm: &Norm<B>| match norm.rms {
+            true => FusedOp::RmsNorm,
+            false => FusedOp::LayerNorm,
+        };
         for block in &mut self.blocks {
-            block.attn.fused = on;
-            block.mlp.fused = on;
-            block.fused_norm = on;
+            block.attn.fused = ops.is_fused(FusedOp::Attention);
+            block.attn.fused_rope = ops.is_fused(FusedOp::Rope);
+            let activation = match block.mlp.gate {
+                Some(_) => FusedOp::Swiglu,
+                None => FusedOp::BiasGelu,
+            };
+            block.mlp.fused = ops.is_fused(activation);
+            block.fused_norm = ops.is_fused(norm_op(&block.ln_1));
         }
         if let Some(head) = &mut self.head {
-            head.fused_norm = on;
+            head.fused_norm = ops.is_fused(norm_op(&head.ln_f));
         }
         self
     }

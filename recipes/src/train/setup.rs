@@ -20,6 +20,7 @@ use wildfire_backend::comm::LaunchSource;
 use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, split_ranges};
 use wildfire_backend::device::{DeviceKind, measure_matmul_flops};
 use wildfire_backend::kernels::matmul::{MatmulPrecision, set_matmul_precision};
+use wildfire_backend::kernels::route::describe_kernel_paths;
 use wildfire_parallel::dp::FlatLayout;
 use wildfire_parallel::fsdp::{Placeholders, ZeroStage};
 use wildfire_parallel::mesh::{Mesh, ParallelDims, PipelinePlan};
@@ -506,6 +507,13 @@ fn run_rank<B: TrainBackend>(
     drop(resumed);
     let training = supervised_training(&config, data, &progress, &strategy, &device);
     training.launch(Learner::new(model, optimizer, progress.schedule));
+    if mesh.world().rank() == 0 {
+        // Which implementation each fused op's calls took in this process: never silently the
+        // reference.
+        for line in describe_kernel_paths() {
+            println!("kernel path: {line}");
+        }
+    }
     outcome(&strategy, config.run.dir, progress.start_step)
 }
 
@@ -695,11 +703,12 @@ fn build_model<B: TrainBackend>(
     // Ranks that are threads share the backend's RNG and autodiff registry: seeding, drawing
     // the model and making its parameters (which registers them) happen under the pipeline's
     // lock, so every rank draws the same model and no graph is cleaned meanwhile.
+    let fused_ops = config.train.fused_ops(B::KIND);
     let _lock = graphs_lock();
     B::seed(device, config.train.seed);
     let whole = Gpt::<B>::new(model_config, StageSpec::whole(model_config), device)
         .with_precision(config.precision.compute)
-        .with_fused_ops(config.train.fused_ops)
+        .with_fused_ops(fused_ops)
         .with_recomputed_blocks(
             config.train.activation_checkpointing == ActivationCheckpointing::Full,
         );
@@ -1040,6 +1049,12 @@ fn describe_run(
         data.val.len(),
         progress.start_step,
         config.train.max_steps,
+    );
+    let kind = config.run.device.kind;
+    println!(
+        "fused ops on {}: {}",
+        kind.name(),
+        config.train.fused_ops(kind)
     );
     if plan.schedule.num_stages() > 1 {
         println!("{}", describe_pipeline(plan));

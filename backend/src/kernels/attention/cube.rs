@@ -38,6 +38,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use crate::kernels::cube_kernel::{TensorSpec, unsupported_float};
 use crate::kernels::launch::empty_on;
 use crate::kernels::route::{LOOP_ITERATION_CAP, loops_capped};
 
@@ -379,24 +380,21 @@ fn flash_backward_q_kernel<F: Float>(
     store_row::<F>(query_grad, &dq, 1.0, index * d, d);
 }
 
-/// Why the kernels cannot run attention on `inputs` (query, key, value, …; the caller then runs
-/// the reference), or `None`.
-pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
+/// Why the kernels cannot run attention on inputs of these shapes and types (query, key, value,
+/// …) on `device` (the caller then runs the reference), or `None`.
+pub fn unsupported<R: CubeRuntime>(inputs: &[TensorSpec], device: &R::Device) -> Option<String> {
     let query = inputs.first()?;
-    let shape = query.meta.shape();
-    let dtype = query.dtype;
+    let (shape, dtype) = (&query.shape, query.dtype);
     if shape.num_dims() != 4 {
         return Some(format!("inputs of rank {} (4 expected)", shape.num_dims()));
     }
     if let Some(other) = inputs[1..3.min(inputs.len())]
         .iter()
-        .find(|other| other.meta.shape() != shape || other.dtype != dtype)
+        .find(|other| other.shape != *shape || other.dtype != dtype)
     {
         return Some(format!(
             "key or value {:?} {:?} unlike the query {:?} {dtype:?}",
-            other.meta.shape(),
-            other.dtype,
-            shape
+            other.shape, other.dtype, shape
         ));
     }
     if shape.num_elements() == 0 {
@@ -406,14 +404,11 @@ pub fn unsupported<R: CubeRuntime>(inputs: &[CubeTensor<R>]) -> Option<String> {
     if d > MAX_HEAD_DIM {
         return Some(format!("head dim {d} is above {MAX_HEAD_DIM}"));
     }
-    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Some(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
-    }
-    if !query.client.properties().supports_type(dtype) {
-        return Some(format!("the device has no {dtype:?} arithmetic"));
+    if let Err(reason) = unsupported_float::<R>(dtype, device) {
+        return Some(reason);
     }
     let seq = shape[2];
-    if loops_capped::<R>(&query.device) && loop_iterations(seq, d) > LOOP_ITERATION_CAP {
+    if loops_capped::<R>(device) && loop_iterations(seq, d) > LOOP_ITERATION_CAP {
         return Some(format!(
             "length {seq} at head dim {d} needs {} loop iterations per invocation, over the \
              {LOOP_ITERATION_CAP} lavapipe allows on wgpu",
@@ -503,7 +498,8 @@ pub fn forward<R: CubeRuntime>(
 }
 
 /// The backward: the gradients of query, key and value (in the inputs' type), from the saved
-/// output and logsumexp.
+/// output and logsumexp (the output gradient may be of another float type). The caller checks
+/// [`unsupported`] first.
 pub fn backward<R: CubeRuntime>(inputs: [CubeTensor<R>; 6], causal: bool) -> [CubeTensor<R>; 3] {
     let [query, key, value, output, logsumexp, output_grad] = inputs.map(into_contiguous);
     let dtype = query.dtype;

@@ -1,5 +1,7 @@
 //! Fused attention as native loops on Flex in f32, per head of `[batch, heads, seq, d]` inputs
-//! (the GPT's heads are a strided view of its qkv projection, read as they lie), in tiles of
+//! (the GPT's heads are a strided view of its qkv projection, read as they lie; keys and values
+//! may have fewer heads, `kv_heads` dividing `heads`, query head `h` reading key/value head
+//! `h / (heads / kv_heads)`: grouped-query attention without repeated copies), in tiles of
 //! `QUERY_TILE` (32) queries, with `c = 1/√d`, `K, V` the keys the tile's last query sees
 //! (`0..end`; all of them, or up to the tile's end when causal) and `M` the causal mask inside
 //! the tile. The products are Flex's own matmul kernels (the `gemm` crate) on one thread each:
@@ -9,7 +11,8 @@
 //!   and `L = m + ln ℓ`: FlashAttention-2's output and logsumexp, with the whole softmax row in
 //!   the tile (a tile of scores is `32 × seq`, never `seq × seq`), written positions first so
 //!   that merging the heads costs no copy;
-//! - backward, heads in parallel (a head's dK and dV gather over its tiles), from the saved
+//! - backward, key/value heads in parallel (a key/value head's dK and dV gather over the tiles
+//!   of each query head of its group, in head order), from the saved
 //!   `L`: `P = e^(c·Q_t Kᵀ − L)` (0 under `M`), `dV += Pᵀ dO_t`, `dP = dO_t Vᵀ`,
 //!   `Δ = rowsum(P ∘ dP)` (= `dO·O`, from the tile rather than the output),
 //!   `dS = c·P ∘ (dP − Δ)`, `dQ_t = dS K`, `dK += dSᵀ Q_t`.
@@ -47,6 +50,13 @@ impl<'a> Heads<'a> {
             heads: layout.shape()[1],
             d: layout.shape()[3],
         }
+    }
+
+    /// The head of this tensor that query head `head` of `query_heads` reads (both counted
+    /// over the batch): itself when the heads agree, else its group's key/value head.
+    fn serving(&self, head: usize, query_heads: usize) -> usize {
+        let group = query_heads / self.heads;
+        (head / query_heads) * self.heads + (head % query_heads) / group
     }
 
     /// Rows `first..first + rows` of head `head` (heads counted over the batch:
@@ -91,11 +101,12 @@ impl Tile {
         }
     }
 
-    /// The tile's scores `c·Q_tile·Kᵀ` into `scores` (`rows × end`, row-major).
+    /// The tile's scores `c·Q_tile·Kᵀ` of query head `head` into `scores` (`rows × end`,
+    /// row-major).
     fn scores(&self, q: &Heads, k: &Heads, head: usize, scale: f32, scores: &mut [f32]) {
         let (queries, keys) = (
             q.rows(head, self.first, self.rows),
-            k.rows(head, 0, self.end),
+            k.rows(k.serving(head, q.heads), 0, self.end),
         );
         gemm_into(scores, self.end, queries, keys.t(), scale, false);
     }
@@ -117,26 +128,35 @@ impl Tile {
     }
 }
 
-/// The query's shape when the loops take `inputs` (query, key, value, …): rank 4, not empty,
-/// key and value (and the output and its gradient, when given) of the query's shape.
-fn taken_attention_shape(inputs: &[FlexTensor]) -> Option<Shape> {
-    let shape = inputs[0].layout().shape();
-    let alike = |i: usize| inputs.get(i).is_none_or(|t| t.layout().shape() == shape);
-    let taken =
-        shape.num_dims() == 4 && shape.num_elements() > 0 && [1, 2, 3, 5].into_iter().all(alike);
-    taken.then(|| shape.clone())
+/// The query's and the key's shapes when the loops take `inputs` (query, key, value, …): rank
+/// 4, not empty; value of the key's shape, and the key that of the query but for fewer heads
+/// dividing the query's; the output and its gradient (when given) of the query's shape.
+fn taken_attention_shapes(inputs: &[FlexTensor]) -> Option<[Shape; 2]> {
+    let (shape, kv_shape) = (inputs[0].layout().shape(), inputs[1].layout().shape());
+    let like = |i: usize, shape: &Shape| inputs.get(i).is_none_or(|t| t.layout().shape() == shape);
+    let grouped = shape.num_dims() == 4
+        && kv_shape.num_dims() == 4
+        && kv_shape[1] > 0
+        && shape[1].is_multiple_of(kv_shape[1])
+        && [0, 2, 3].into_iter().all(|dim| kv_shape[dim] == shape[dim]);
+    let taken = grouped
+        && shape.num_elements() > 0
+        && like(2, kv_shape)
+        && [3, 5].into_iter().all(|i| like(i, shape));
+    taken.then(|| [shape.clone(), kv_shape.clone()])
 }
 
 /// The attention forward (see the module doc): the output `[batch, heads, seq, d]` and the
-/// logsumexp `[batch, heads, seq]`, or `None` for inputs it does not take (not all f32, not
-/// one non-empty `[batch, heads, seq, d]` shape).
+/// logsumexp `[batch, heads, seq]`, or `None` for inputs it does not take (not all f32, not a
+/// non-empty `[batch, heads, seq, d]` query with keys and values `[batch, kv_heads, seq, d]`,
+/// `kv_heads` dividing `heads`).
 ///
 /// Both are written positions first, `[batch, seq, heads, ·]`, and returned as views with the
 /// heads and positions swapped: the output is then already the `[batch, seq, heads·d]` a
 /// model merges its heads into, and that merge is a reshape, not a copy. Tasks are a batch
 /// entry's tile of positions, all heads.
 pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexTensor; 2]> {
-    let shape = taken_attention_shape(&inputs)?;
+    let [shape, _] = taken_attention_shapes(&inputs)?;
     let [query, key, value] = inputs.map(readable_f32);
     let (query, key, value) = (query?, key?, value?);
     let (q, k, v) = (Heads::of(&query), Heads::of(&key), Heads::of(&value));
@@ -168,7 +188,7 @@ pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexT
                             lse[r * heads + h] = max + row_sums[r].ln();
                         });
                         let p = View::row_major(&probs, tile.rows, tile.end);
-                        let values = v.rows(head, 0, tile.end);
+                        let values = v.rows(v.serving(head, heads), 0, tile.end);
                         gemm_into(&mut out[h * d..], row, p, values, 1.0, false);
                         for (r, sum) in row_sums.iter().take(tile.rows).enumerate() {
                             let start = r * row + h * d;
@@ -187,61 +207,75 @@ pub fn attention_forward(inputs: [FlexTensor; 3], causal: bool) -> Option<[FlexT
 
 /// The attention backward (see the module doc) from `[query, key, value, output, logsumexp,
 /// output_grad]` (the output is not read: `Δ` comes from the tile), the gradients of query, key
-/// and value, or `None` for inputs it does not take (as the forward's).
+/// and value, or `None` for inputs it does not take (as the forward's). Tasks are a key/value
+/// head with the query heads of its group.
 pub fn attention_backward(inputs: [FlexTensor; 6], causal: bool) -> Option<[FlexTensor; 3]> {
-    let shape = taken_attention_shape(&inputs)?;
+    let [shape, kv_shape] = taken_attention_shapes(&inputs)?;
     let [query, key, value, _output, logsumexp, output_grad] = inputs.map(readable_f32);
     let (query, key, value, output_grad) = (query?, key?, value?, output_grad?);
     let logsumexp = logsumexp?.to_contiguous();
     let (q, k, v) = (Heads::of(&query), Heads::of(&key), Heads::of(&value));
     let grad = Heads::of(&output_grad);
     let lse = logsumexp.as_slice::<f32>()?;
-    let [_, _, seq, d] = shape.dims::<4>();
+    let [_, heads, seq, d] = shape.dims::<4>();
+    let group = heads / kv_shape[1];
     let scale = 1.0 / (d as f32).sqrt();
-    let [mut dq, mut dk, mut dv] = [(); 3].map(|_| vec![0.0f32; shape.num_elements()]);
-    dq.par_chunks_mut(seq * d)
+    let mut dq = vec![0.0f32; shape.num_elements()];
+    let [mut dk, mut dv] = [(); 2].map(|_| vec![0.0f32; kv_shape.num_elements()]);
+    dq.par_chunks_mut(group * seq * d)
         .zip(dk.par_chunks_mut(seq * d))
         .zip(dv.par_chunks_mut(seq * d))
         .enumerate()
-        .for_each(|(head, ((dq, dk), dv))| {
+        .for_each(|(kv_head, ((dq, dk), dv))| {
             let mut probs = vec![0.0f32; QUERY_TILE * seq];
             let mut score_grads = vec![0.0f32; QUERY_TILE * seq];
-            for index in 0..seq.div_ceil(QUERY_TILE) {
-                let tile = Tile::new(index, seq, causal);
-                let queries = q.rows(head, tile.first, tile.rows);
-                let grads = grad.rows(head, tile.first, tile.rows);
-                let (keys, values) = (k.rows(head, 0, tile.end), v.rows(head, 0, tile.end));
-                let size = tile.rows * tile.end;
-                let (probs, score_grads) = (&mut probs[..size], &mut score_grads[..size]);
-                // P = e^(c·QKᵀ − L), dV += Pᵀ dO.
-                tile.scores(&q, &k, head, scale, probs);
-                tile.each_row(probs, seq, causal, |r, seen| {
-                    exp_shifted(seen, lse[head * seq + tile.first + r]);
-                });
-                let p = View::row_major(probs, tile.rows, tile.end);
-                gemm_into(dv, d, p.t(), grads, 1.0, true);
-                // dS = c·P ∘ (dP − Δ), dP = dO Vᵀ, Δᵢ = Σⱼ Pᵢⱼ dPᵢⱼ.
-                gemm_into(score_grads, tile.end, grads, values.t(), 1.0, false);
-                for (ds, p) in score_grads.chunks_mut(tile.end).zip(probs.chunks(tile.end)) {
-                    let delta: f32 = ds.iter().zip(p).map(|(dp, p)| dp * p).sum();
-                    for (ds, p) in ds.iter_mut().zip(p) {
-                        *ds = scale * p * (*ds - delta);
+            for (member, dq) in dq.chunks_mut(seq * d).enumerate() {
+                let head = kv_head * group + member;
+                for index in 0..seq.div_ceil(QUERY_TILE) {
+                    let tile = Tile::new(index, seq, causal);
+                    let queries = q.rows(head, tile.first, tile.rows);
+                    let grads = grad.rows(head, tile.first, tile.rows);
+                    let (keys, values) =
+                        (k.rows(kv_head, 0, tile.end), v.rows(kv_head, 0, tile.end));
+                    let size = tile.rows * tile.end;
+                    let (probs, score_grads) = (&mut probs[..size], &mut score_grads[..size]);
+                    // P = e^(c·QKᵀ − L), dV += Pᵀ dO.
+                    tile.scores(&q, &k, head, scale, probs);
+                    tile.each_row(probs, seq, causal, |r, seen| {
+                        exp_shifted(seen, lse[head * seq + tile.first + r]);
+                    });
+                    let p = View::row_major(probs, tile.rows, tile.end);
+                    gemm_into(dv, d, p.t(), grads, 1.0, true);
+                    // dS = c·P ∘ (dP − Δ), dP = dO Vᵀ, Δᵢ = Σⱼ Pᵢⱼ dPᵢⱼ.
+                    gemm_into(score_grads, tile.end, grads, values.t(), 1.0, false);
+                    for (ds, p) in score_grads.chunks_mut(tile.end).zip(probs.chunks(tile.end)) {
+                        let delta: f32 = ds.iter().zip(p).map(|(dp, p)| dp * p).sum();
+                        for (ds, p) in ds.iter_mut().zip(p) {
+                            *ds = scale * p * (*ds - delta);
+                        }
                     }
+                    // dQ = dS K, dK += dSᵀ Q.
+                    let ds = View::row_major(score_grads, tile.rows, tile.end);
+                    gemm_into(&mut dq[tile.first * d..], d, ds, keys, 1.0, false);
+                    gemm_into(dk, d, ds.t(), queries, 1.0, true);
                 }
-                // dQ = dS K, dK += dSᵀ Q.
-                let ds = View::row_major(score_grads, tile.rows, tile.end);
-                gemm_into(&mut dq[tile.first * d..], d, ds, keys, 1.0, false);
-                gemm_into(dk, d, ds.t(), queries, 1.0, true);
             }
         });
-    Some([dq, dk, dv].map(|values| tensor_f32(values, shape.clone())))
+    Some([
+        tensor_f32(dq, shape),
+        tensor_f32(dk, kv_shape.clone()),
+        tensor_f32(dv, kv_shape),
+    ])
 }
 
 /// Q's, K's and V's `[batch, heads, seq, d]` f32 (their gradients) in one `[batch, seq,
 /// 3·heads, d]`: [`super::pack`] as one pass of row copies, positions in parallel, or
 /// `None` for inputs it does not take (as the attention's).
 pub fn pack_heads(sections: [FlexTensor; 3]) -> Option<[FlexTensor; 1]> {
-    let shape = taken_attention_shape(&sections)?;
+    let [shape, kv_shape] = taken_attention_shapes(&sections)?;
+    if kv_shape != shape {
+        return None;
+    }
     let [q, k, v] = sections.map(readable_f32);
     let (q, k, v) = (q?, k?, v?);
     let sources = [Heads::of(&q), Heads::of(&k), Heads::of(&v)];

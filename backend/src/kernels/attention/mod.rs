@@ -39,12 +39,13 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, FloatDType, Tensor};
+use burn::tensor::{Bool, DType, FloatDType, Shape, Tensor, TensorMetadata};
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::route::{CubeKernel, on_cube, on_flex};
+use super::cube_kernel::{CubeKernel, TensorSpec};
+use super::route::{on_cube, on_flex, took_reference};
 use super::{in_dtype, tensor};
 use crate::Parallel;
 
@@ -206,8 +207,11 @@ pub fn decomposed_attention<B: Backend>(
 }
 
 /// A backend with fused attention: `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq,
-/// d_head]` tensors (M the causal mask when `causal`), whose autodiff backward is the fused one
+/// d_head]` queries (M the causal mask when `causal`), whose autodiff backward is the fused one
 /// (recomputing the probabilities from the saved logsumexp) rather than the decomposed graph.
+/// Keys and values are `[batch, kv_heads, seq, d_head]` with `kv_heads` dividing `heads`
+/// (grouped-query attention: query head `h` attends with key/value head `h / (heads /
+/// kv_heads)`); the gradients of a shared key/value head are summed over its query heads.
 pub trait FusedAttentionBackend: Backend {
     fn fused_attention(
         query: FloatTensor<Self>,
@@ -223,13 +227,28 @@ pub trait FusedAttentionBackend: Backend {
     fn fused_qkv_attention(qkv: FloatTensor<Self>, causal: bool) -> FloatTensor<Self>;
 }
 
-/// Fused attention on `Tensor`s (see [`FusedAttentionBackend`]).
+/// Fused attention on `Tensor`s (see [`FusedAttentionBackend`]), grouped-query where the keys
+/// and values have fewer heads than the queries.
+///
+/// # Panics
+/// When the key or value is not the query's shape but for a number of heads dividing the
+/// query's.
 pub fn fused_attention<B: FusedAttentionBackend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
     value: Tensor<B, 4>,
     causal: bool,
 ) -> Tensor<B, 4> {
+    let (q, k, v) = (query.dims(), key.dims(), value.dims());
+    let grouped = k == v
+        && k[1] > 0
+        && q[1].is_multiple_of(k[1])
+        && [0, 2, 3].into_iter().all(|dim| k[dim] == q[dim]);
+    assert!(
+        grouped,
+        "fused_attention: query {q:?}, key {k:?} and value {v:?} must agree but for the key and \
+         value's heads (dim 1), which must be equal and divide the query's"
+    );
     tensor(B::fused_attention(
         primitive(query),
         primitive(key),
@@ -274,7 +293,7 @@ pub fn unpack<B: Backend>(qkv: Tensor<B, 4>) -> [Tensor<B, 4>; 3] {
 /// in one `[batch, seq, 3·heads, d_head]`; on Flex one pass of row copies ([`flex::pack_heads`];
 /// Flex's `cat` would first copy each transposed section, element by element).
 pub fn pack<B: Backend>(sections: [Tensor<B, 4>; 3]) -> Tensor<B, 4> {
-    match on_flex(sections.map(primitive), flex::pack_heads) {
+    match on_flex(PACK, sections.map(primitive), flex::pack_heads) {
         Ok([packed]) => tensor(packed),
         Err(sections) => {
             let sections = sections.map(|section| tensor::<B, 4>(section).swap_dims(1, 2));
@@ -283,90 +302,198 @@ pub fn pack<B: Backend>(sections: [Tensor<B, 4>; 3]) -> Tensor<B, 4> {
     }
 }
 
+/// The ops' names in the log and the kernel paths' counts ([`super::route::kernel_paths`]).
+/// Packing has no kernel but Flex's loops: elsewhere it is Burn ops by design, not counted.
+const FORWARD: &str = "attention forward";
+const BACKWARD: &str = "attention backward";
+const PACK: &str = "attention gradient pack";
+
 /// A rank-4 float `Tensor`'s primitive.
 fn primitive<B: Backend>(tensor: Tensor<B, 4>) -> FloatTensor<B> {
     tensor.into_primitive().tensor()
 }
 
 /// FlashAttention-2's forward kernel ([`cube::forward`]).
+#[derive(Clone, Debug)]
 struct FlashForward {
     causal: bool,
 }
 
 impl CubeKernel<3, 2> for FlashForward {
-    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 3]) -> Option<[CubeTensor<R>; 2]> {
-        if let Some(reason) = cube::unsupported(&inputs) {
-            log::debug!("fused attention runs the reference: {reason}");
-            return None;
+    fn op(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        inputs: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 2], String> {
+        if let Some(reason) = cube::unsupported::<R>(inputs, device) {
+            return Err(reason);
         }
-        let [query, key, value] = inputs;
+        let query = inputs[0].clone();
+        let [batch, heads, seq, _] = query.shape.dims::<4>();
+        let logsumexp = TensorSpec::new(Shape::new([batch, heads, seq]), DType::F32);
+        Ok([query, logsumexp])
+    }
+
+    fn launch<R: CubeRuntime>(
+        &self,
+        [query, key, value]: [CubeTensor<R>; 3],
+    ) -> [CubeTensor<R>; 2] {
         let (output, logsumexp) = cube::forward(query, key, value, self.causal);
-        Some([output, logsumexp])
+        [output, logsumexp]
     }
 }
 
 /// FlashAttention-2's backward kernels ([`cube::backward`]).
+#[derive(Clone, Debug)]
 struct FlashBackward {
     causal: bool,
 }
 
 impl CubeKernel<6, 3> for FlashBackward {
-    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 6]) -> Option<[CubeTensor<R>; 3]> {
-        if cube::unsupported(&inputs).is_some() {
-            return None;
+    fn op(&self) -> &'static str {
+        BACKWARD
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        inputs: &[TensorSpec; 6],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 3], String> {
+        if let Some(reason) = cube::unsupported::<R>(inputs, device) {
+            return Err(reason);
         }
-        Some(cube::backward(inputs, self.causal))
+        let [query, .., output_grad] = inputs;
+        if output_grad.shape != query.shape {
+            return Err(format!(
+                "output gradient {:?} for query {:?}",
+                output_grad.shape, query.shape
+            ));
+        }
+        Ok([(); 3].map(|_| query.clone()))
+    }
+
+    fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; 6]) -> [CubeTensor<R>; 3] {
+        cube::backward(inputs, self.causal)
     }
 }
 
-/// The forward on backend `B`: the CubeCL kernel on CubeCL backends and the native loops on Flex
-/// (unless opted out) ([`super::route`]), the reference otherwise.
+/// The forward on backend `B`: Flex's native loops (unless opted out), which read grouped
+/// key/value heads where they lie; elsewhere, with the key/value heads repeated for their
+/// query heads ([`repeat_heads`]), the CubeCL kernel on CubeCL backends ([`super::route`]) and
+/// the reference otherwise.
 fn forward_on<B: Backend>(
     query: FloatTensor<B>,
     key: FloatTensor<B>,
     value: FloatTensor<B>,
     causal: bool,
 ) -> AttentionForward<B> {
-    let routed = on_cube(&FlashForward { causal }, [query, key, value])
-        .or_else(|inputs| on_flex(inputs, |inputs| flex::attention_forward(inputs, causal)));
+    let routed = on_flex(FORWARD, [query, key, value], |inputs| {
+        flex::attention_forward(inputs, causal)
+    })
+    .or_else(|[query, key, value]| {
+        let group = group_size::<B>(&query, &key);
+        let [key, value] = [key, value].map(|kv| repeat_heads::<B>(kv, group));
+        on_cube(&FlashForward { causal }, [query, key, value])
+    });
     match routed {
         Ok([output, logsumexp]) => AttentionForward {
             output: tensor(output),
             logsumexp: tensor(logsumexp),
         },
-        Err([query, key, value]) => attention_forward(
-            tensor(query),
-            tensor(key),
-            tensor(value),
-            causal,
-            REFERENCE_BLOCK,
-        ),
+        Err([query, key, value]) => {
+            took_reference(FORWARD);
+            attention_forward(
+                tensor(query),
+                tensor(key),
+                tensor(value),
+                causal,
+                REFERENCE_BLOCK,
+            )
+        }
     }
 }
 
-/// The backward on backend `B` from `[query, key, value, output, logsumexp, output_grad]`:
-/// the CubeCL kernels on CubeCL backends and the native loops on Flex (unless opted out), the
-/// reference otherwise.
+/// The backward on backend `B` from `[query, key, value, output, logsumexp, output_grad]`,
+/// routed as [`forward_on`]; where the key/value heads were repeated, the gradients of each
+/// repetition summed into their head ([`sum_repeated_heads`]).
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 6], causal: bool) -> AttentionGrads<B> {
-    let routed = on_cube(&FlashBackward { causal }, inputs)
-        .or_else(|inputs| on_flex(inputs, |inputs| flex::attention_backward(inputs, causal)));
-    match routed {
+    let routed = on_flex(BACKWARD, inputs, |inputs| {
+        flex::attention_backward(inputs, causal)
+    });
+    let [query, key, value, output, logsumexp, output_grad] = match routed {
+        Ok([query, key, value]) => {
+            return AttentionGrads {
+                query: tensor(query),
+                key: tensor(key),
+                value: tensor(value),
+            };
+        }
+        Err(inputs) => inputs,
+    };
+    let group = group_size::<B>(&query, &key);
+    let [key, value] = [key, value].map(|kv| repeat_heads::<B>(kv, group));
+    let inputs = [query, key, value, output, logsumexp, output_grad];
+    let grads = match on_cube(&FlashBackward { causal }, inputs) {
         Ok([query, key, value]) => AttentionGrads {
             query: tensor(query),
             key: tensor(key),
             value: tensor(value),
         },
-        Err([query, key, value, output, logsumexp, output_grad]) => attention_backward(
-            tensor(query),
-            tensor(key),
-            tensor(value),
-            tensor(output),
-            tensor(logsumexp),
-            tensor(output_grad),
-            causal,
-            REFERENCE_BLOCK,
-        ),
+        Err([query, key, value, output, logsumexp, output_grad]) => {
+            took_reference(BACKWARD);
+            attention_backward(
+                tensor(query),
+                tensor(key),
+                tensor(value),
+                tensor(output),
+                tensor(logsumexp),
+                tensor(output_grad),
+                causal,
+                REFERENCE_BLOCK,
+            )
+        }
+    };
+    AttentionGrads {
+        key: sum_repeated_heads(grads.key, group),
+        value: sum_repeated_heads(grads.value, group),
+        ..grads
     }
+}
+
+/// Query heads per key/value head: `heads / kv_heads` of `query: [batch, heads, seq, d]` and
+/// `key: [batch, kv_heads, seq, d]`.
+fn group_size<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>) -> usize {
+    query.shape()[1] / key.shape()[1]
+}
+
+/// `[batch, kv_heads, seq, d]` → `[batch, kv_heads·g, seq, d]`, head `j` repeated `g` times in
+/// place: grouped-query attention as attention with as many key/value heads as query heads.
+fn repeat_heads<B: Backend>(kv: FloatTensor<B>, g: usize) -> FloatTensor<B> {
+    if g == 1 {
+        return kv;
+    }
+    let kv = tensor::<B, 4>(kv);
+    let [batch, kv_heads, seq, d] = kv.dims();
+    let repeated = kv
+        .unsqueeze_dim::<5>(2)
+        .expand([batch, kv_heads, g, seq, d]);
+    primitive(repeated.reshape([batch, kv_heads * g, seq, d]))
+}
+
+/// The adjoint of [`repeat_heads`]: `[batch, kv_heads·g, seq, d]` → `[batch, kv_heads, seq, d]`,
+/// each head the sum of its `g` repetitions.
+fn sum_repeated_heads<B: Backend>(grad: Tensor<B, 4>, g: usize) -> Tensor<B, 4> {
+    if g == 1 {
+        return grad;
+    }
+    let [batch, heads, seq, d] = grad.dims();
+    grad.reshape([batch, heads / g, g, seq, d])
+        .sum_dim(2)
+        .reshape([batch, heads / g, seq, d])
 }
 
 impl<B: Backend> FusedAttentionBackend for Parallel<B> {

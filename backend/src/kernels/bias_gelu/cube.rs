@@ -7,8 +7,8 @@ use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::kernels::launch::{elementwise_grid, empty_on, routed};
-use crate::kernels::route::CubeKernel;
+use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
+use crate::kernels::launch::{accepted, elementwise_grid, empty_on};
 
 /// GELU's `c`, `a` and exponent clamp in f32 (see the module doc).
 const C: f32 = super::GELU_C as f32;
@@ -129,7 +129,8 @@ pub fn forward_kernel<R: CubeRuntime>(
     x: CubeTensor<R>,
     bias: CubeTensor<R>,
 ) -> Result<CubeTensor<R>, String> {
-    let columns = checked_columns(&x, &bias, None)?;
+    let columns =
+        checked_columns::<R>(&TensorSpec::of(&x), &TensorSpec::of(&bias), None, &x.device)?;
     let dtype = x.dtype;
     Ok(epilogue(x, Some(bias), columns, true, dtype))
 }
@@ -142,7 +143,8 @@ pub fn backward_kernel<R: CubeRuntime>(
     bias: CubeTensor<R>,
     output_grad: CubeTensor<R>,
 ) -> Result<CubeTensor<R>, String> {
-    let columns = checked_columns(&x, &bias, Some(&output_grad))?;
+    let specs = [&x, &bias, &output_grad].map(TensorSpec::of);
+    let columns = checked_columns::<R>(&specs[0], &specs[1], Some(&specs[2]), &x.device)?;
     let [x, output_grad] = [x, output_grad].map(into_contiguous);
     let bias = into_contiguous(cast(bias, DType::F32));
     let grad = empty_on(&x, x.meta.shape().clone(), DType::F32);
@@ -168,61 +170,81 @@ pub fn backward_kernel<R: CubeRuntime>(
     Ok(grad)
 }
 
-/// The columns of `x: [.., columns]` once `x`, `bias: [columns]` and any `like_x`
-/// (tensors of `x`'s shape and type) are ones the kernels take; or why they are not.
+/// The columns of `x: [.., columns]` once `x`, `bias: [columns]` and any `like_x` (of `x`'s
+/// shape and type) are ones the kernels take on `device`; or why they are not.
 fn checked_columns<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    bias: &CubeTensor<R>,
-    like_x: Option<&CubeTensor<R>>,
+    x: &TensorSpec,
+    bias: &TensorSpec,
+    like_x: Option<&TensorSpec>,
+    device: &R::Device,
 ) -> Result<usize, String> {
-    let properties = x.client.properties();
     for dtype in [x.dtype, bias.dtype] {
-        if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
-            return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
-        }
-        if !properties.supports_type(dtype) {
-            return Err(format!("the device has no {dtype:?} arithmetic"));
-        }
+        unsupported_float::<R>(dtype, device)?;
     }
-    let (shape, bias_shape) = (x.meta.shape(), bias.meta.shape());
-    let columns = shape[shape.num_dims() - 1];
+    let (shape, bias_shape) = (&x.shape, &bias.shape);
+    let columns = shape
+        .num_dims()
+        .checked_sub(1)
+        .map_or(0, |last| shape[last]);
     if bias_shape.num_dims() != 1 || bias_shape[0] != columns || shape.num_elements() == 0 {
         return Err(format!("input {shape:?} with bias {bias_shape:?}"));
     }
     if let Some(other) = like_x
-        && (other.meta.shape() != shape || other.dtype != x.dtype)
+        && other != x
     {
         return Err(format!(
             "gradient {:?} {:?} for input {shape:?} {:?}",
-            other.meta.shape(),
-            other.dtype,
-            x.dtype
+            other.shape, other.dtype, x.dtype
         ));
     }
     Ok(columns)
 }
 
 /// [`forward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Forward;
 
 impl CubeKernel<2, 1> for Forward {
-    fn launch<R: CubeRuntime>(&self, [x, bias]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
-        routed("bias + GELU", forward_kernel(x, bias)).map(|out| [out])
+    fn op(&self) -> &'static str {
+        "bias_gelu forward"
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        [x, bias]: &[TensorSpec; 2],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 1], String> {
+        checked_columns::<R>(x, bias, None, device)?;
+        Ok([x.clone()])
+    }
+
+    fn launch<R: CubeRuntime>(&self, [x, bias]: [CubeTensor<R>; 2]) -> [CubeTensor<R>; 1] {
+        [accepted(self.op(), forward_kernel(x, bias))]
     }
 }
 
 /// [`backward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Backward;
 
 impl CubeKernel<3, 1> for Backward {
+    fn op(&self) -> &'static str {
+        "bias_gelu backward"
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        [x, bias, output_grad]: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 1], String> {
+        checked_columns::<R>(x, bias, Some(output_grad), device)?;
+        Ok([TensorSpec::new(x.shape.clone(), DType::F32)])
+    }
+
     fn launch<R: CubeRuntime>(
         &self,
         [x, bias, output_grad]: [CubeTensor<R>; 3],
-    ) -> Option<[CubeTensor<R>; 1]> {
-        routed(
-            "bias + GELU backward",
-            backward_kernel(x, bias, output_grad),
-        )
-        .map(|grad| [grad])
+    ) -> [CubeTensor<R>; 1] {
+        [accepted(self.op(), backward_kernel(x, bias, output_grad))]
     }
 }

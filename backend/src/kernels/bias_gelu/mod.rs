@@ -38,7 +38,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata};
 
-use super::route::{on_cube, on_flex};
+use super::cube_kernel::CubeKernel;
+use super::route::{on_cube, on_flex, took_reference};
 use super::{
     GELU_A, GELU_C, GELU_EXPONENT_CLAMP, as_rows, cast_primitive, gelu_exponent, gelu_tanh_f32,
     in_dtype, tensor,
@@ -116,11 +117,13 @@ fn reshaped<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
 /// The forward on backend `B`: the CubeCL kernel on CubeCL backends and the native loop on Flex
 /// (unless opted out), the reference otherwise.
 fn forward_on<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
-    let routed = on_cube(&cube::Forward, [x, bias])
-        .or_else(|inputs| on_flex(inputs, flex::bias_gelu_forward));
+    let kernel = cube::Forward;
+    let routed = on_cube(&kernel, [x, bias])
+        .or_else(|inputs| on_flex(kernel.op(), inputs, flex::bias_gelu_forward));
     match routed {
         Ok([y]) => y,
         Err([x, bias]) => {
+            took_reference(kernel.op());
             let shape = x.shape();
             reshaped(reference_forward::<B>(as_rows(x), tensor(bias)), shape)
         }
@@ -130,11 +133,13 @@ fn forward_on<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTenso
 /// `dx` in f32 on backend `B` from `[x, bias, output_grad]`: the CubeCL kernel on CubeCL
 /// backends and the native loop on Flex (unless opted out), the reference otherwise.
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> FloatTensor<B> {
-    let routed = on_cube(&cube::Backward, inputs)
-        .or_else(|inputs| on_flex(inputs, flex::bias_gelu_backward));
+    let kernel = cube::Backward;
+    let routed = on_cube(&kernel, inputs)
+        .or_else(|inputs| on_flex(kernel.op(), inputs, flex::bias_gelu_backward));
     match routed {
         Ok([grad]) => grad,
         Err([x, bias, output_grad]) => {
+            took_reference(kernel.op());
             let shape = x.shape();
             let grad = reference_backward::<B>(as_rows(x), tensor(bias), as_rows(output_grad));
             reshaped(grad, shape)

@@ -18,8 +18,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use crate::kernels::launch::{elementwise_grid, empty_like, empty_on, routed};
-use crate::kernels::route::{CubeKernel, LOOP_ITERATION_CAP};
+use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
+use crate::kernels::launch::{accepted, elementwise_grid, empty_like, empty_on};
+use crate::kernels::route::LOOP_ITERATION_CAP;
 
 /// The most units of a row's cube, and the units of a cube of the column launches.
 const MAX_UNITS: usize = 256;
@@ -89,6 +90,27 @@ fn row_inverse_deviation<F: Float>(
     1.0f32 / (variance + epsilon).sqrt()
 }
 
+/// The cube's row of `x: [rows, columns]` (cubes past the rows end here): where it starts,
+/// its `μ` and its `r`.
+#[cube]
+fn row_statistics<F: Float>(
+    x: &Tensor<F>,
+    rows: usize,
+    columns: usize,
+    epsilon: f32,
+    shared: &mut SharedMemory<f32>,
+    #[comptime] centred: bool,
+) -> (usize, f32, f32) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let start = row * columns;
+    let mean = row_mean(x, start, columns, shared, centred);
+    let r = row_inverse_deviation(x, start, columns, mean, epsilon, shared);
+    (start, mean, r)
+}
+
 /// One cube per row of `x: [rows, columns]`: `out = F(x̂ ∘ γ + β)`.
 #[cube(launch_unchecked)]
 fn forward_rows<F: Float, G: Float>(
@@ -103,14 +125,8 @@ fn forward_rows<F: Float, G: Float>(
     #[comptime] units: usize,
     #[define(F, G)] _dtypes: [StorageType; 2],
 ) {
-    let row = CUBE_POS;
-    if row >= rows {
-        terminate!();
-    }
     let mut shared = SharedMemory::<f32>::new(units);
-    let start = row * columns;
-    let mean = row_mean(x, start, columns, &mut shared, centred);
-    let r = row_inverse_deviation(x, start, columns, mean, epsilon, &mut shared);
+    let (start, mean, r) = row_statistics(x, rows, columns, epsilon, &mut shared, centred);
     let mut column = UNIT_POS_X as usize;
     while column < columns {
         let normalised = (f32::cast_from(x[start + column]) - mean) * r;
@@ -136,14 +152,8 @@ fn backward_rows<F: Float, G: Float>(
     #[comptime] units: usize,
     #[define(F, G)] _dtypes: [StorageType; 2],
 ) {
-    let row = CUBE_POS;
-    if row >= rows {
-        terminate!();
-    }
     let mut shared = SharedMemory::<f32>::new(units);
-    let start = row * columns;
-    let mean = row_mean(x, start, columns, &mut shared, centred);
-    let r = row_inverse_deviation(x, start, columns, mean, epsilon, &mut shared);
+    let (start, mean, r) = row_statistics(x, rows, columns, epsilon, &mut shared, centred);
     let mut g_sum = 0.0f32;
     let mut g_normalised_sum = 0.0f32;
     let mut column = UNIT_POS_X as usize;
@@ -167,6 +177,7 @@ fn backward_rows<F: Float, G: Float>(
         column += CUBE_DIM_X as usize;
     }
     if UNIT_POS_X == 0 {
+        let row = CUBE_POS;
         stats[row] = mean;
         stats[rows + row] = r;
     }
@@ -230,40 +241,29 @@ fn column_sums(
     }
 }
 
-/// `[rows, columns]` of `x: [.., columns]` with `parameters` `[columns]`, once the kernels take
-/// them (non-empty, float types the device has, parameters of one type, rows within one
-/// launch's reach); or why not.
+/// `[rows, columns]` of `x: [.., columns]` with `parameters` `[columns]` on `device`, once the
+/// kernels take them (non-empty, float types the device has, parameters of one type, rows
+/// within one launch's reach); or why not.
 fn rows_and_columns<R: CubeRuntime>(
-    x: &CubeTensor<R>,
-    parameters: &[&CubeTensor<R>],
+    x: &TensorSpec,
+    parameters: &[&TensorSpec],
+    device: &R::Device,
 ) -> Result<[usize; 2], String> {
-    let shape = x.meta.shape();
+    let shape = &x.shape;
     let elements = shape.num_elements();
     if shape.num_dims() == 0 || elements == 0 {
         return Err(format!("input {shape:?} (a non-empty [.., columns])"));
     }
     let columns = shape[shape.num_dims() - 1];
     let rows = elements / columns;
-    let float_types = [DType::F32, DType::F16, DType::BF16];
     for tensor in std::iter::once(x).chain(parameters.iter().copied()) {
-        if !float_types.contains(&tensor.dtype) {
-            return Err(format!(
-                "dtype {:?} (f32, f16 and bf16 are supported)",
-                tensor.dtype
-            ));
-        }
-        if !x.client.properties().supports_type(tensor.dtype) {
-            return Err(format!("the device has no {:?} arithmetic", tensor.dtype));
-        }
+        unsupported_float::<R>(tensor.dtype, device)?;
     }
     for parameter in parameters {
-        if *parameter.meta.shape() != Shape::new([columns])
-            || parameter.dtype != parameters[0].dtype
-        {
+        if parameter.shape != Shape::new([columns]) || parameter.dtype != parameters[0].dtype {
             return Err(format!(
                 "parameter {:?} {:?} for input {shape:?} (one value per column, one type)",
-                parameter.meta.shape(),
-                parameter.dtype
+                parameter.shape, parameter.dtype
             ));
         }
     }
@@ -273,13 +273,29 @@ fn rows_and_columns<R: CubeRuntime>(
     if row_iterations > LOOP_ITERATION_CAP {
         return Err(format!("rows of {columns} columns"));
     }
-    let max_blocks = x.client.properties().hardware.max_cube_count.1 as usize;
+    let max_blocks = R::client(device).properties().hardware.max_cube_count.1 as usize;
     if rows.div_ceil(BLOCK_ROWS) > max_blocks {
         return Err(format!(
             "{rows} rows (at most {max_blocks} blocks of {BLOCK_ROWS})"
         ));
     }
     Ok([rows, columns])
+}
+
+/// Why the backward kernels do not take `[x, γ, dy]`, if they do not: as the forward, and `dy`
+/// of `x`'s shape and type.
+fn backward_unsupported<R: CubeRuntime>(
+    [x, gamma, output_grad]: &[TensorSpec; 3],
+    device: &R::Device,
+) -> Result<[usize; 2], String> {
+    let rows_and_columns = rows_and_columns::<R>(x, &[gamma], device)?;
+    if output_grad != x {
+        return Err(format!(
+            "output gradient {:?} {:?} for input {:?} {:?}",
+            output_grad.shape, output_grad.dtype, x.shape, x.dtype
+        ));
+    }
+    Ok(rows_and_columns)
 }
 
 /// The units of a row's cube: a power of two (for the tree sum) near a quarter of the
@@ -309,7 +325,8 @@ pub fn forward_kernel<R: CubeRuntime>(
     epsilon: f64,
     centred: bool,
 ) -> Result<CubeTensor<R>, String> {
-    let [rows, columns] = rows_and_columns(&x, &[&gamma, &beta])?;
+    let [x_spec, gamma_spec, beta_spec] = [&x, &gamma, &beta].map(TensorSpec::of);
+    let [rows, columns] = rows_and_columns::<R>(&x_spec, &[&gamma_spec, &beta_spec], &x.device)?;
     let [x, gamma, beta] = [x, gamma, beta].map(into_contiguous);
     let out = empty_like(&x);
     let (cubes, cube_dim) = row_grid(&x, rows, columns);
@@ -346,16 +363,8 @@ pub fn backward_kernel<R: CubeRuntime>(
     epsilon: f64,
     centred: bool,
 ) -> Result<[CubeTensor<R>; 3], String> {
-    let [rows, columns] = rows_and_columns(&x, &[&gamma])?;
-    if output_grad.meta.shape() != x.meta.shape() || output_grad.dtype != x.dtype {
-        return Err(format!(
-            "output gradient {:?} {:?} for input {:?} {:?}",
-            output_grad.meta.shape(),
-            output_grad.dtype,
-            x.meta.shape(),
-            x.dtype
-        ));
-    }
+    let specs = [&x, &gamma, &output_grad].map(TensorSpec::of);
+    let [rows, columns] = backward_unsupported::<R>(&specs, &x.device)?;
     let [x, gamma, output_grad] = [x, gamma, output_grad].map(into_contiguous);
     let client = x.client.clone();
     let x_grad = empty_like(&x);
@@ -420,33 +429,66 @@ pub fn backward_kernel<R: CubeRuntime>(
 }
 
 /// [`forward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Forward {
     pub epsilon: f64,
     pub centred: bool,
 }
 
 impl CubeKernel<3, 1> for Forward {
-    fn launch<R: CubeRuntime>(
+    fn op(&self) -> &'static str {
+        // LayerNorm centres, RMSNorm does not.
+        match self.centred {
+            true => "layer_norm forward",
+            false => "rms_norm forward",
+        }
+    }
+
+    fn outputs<R: CubeRuntime>(
         &self,
-        [x, gamma, beta]: [CubeTensor<R>; 3],
-    ) -> Option<[CubeTensor<R>; 1]> {
+        [x, gamma, beta]: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 1], String> {
+        rows_and_columns::<R>(x, &[gamma, beta], device)?;
+        Ok([x.clone()])
+    }
+
+    fn launch<R: CubeRuntime>(&self, [x, gamma, beta]: [CubeTensor<R>; 3]) -> [CubeTensor<R>; 1] {
         let y = forward_kernel(x, gamma, beta, self.epsilon, self.centred);
-        routed("LayerNorm", y).map(|y| [y])
+        [accepted(self.op(), y)]
     }
 }
 
 /// [`backward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Backward {
     pub epsilon: f64,
     pub centred: bool,
 }
 
 impl CubeKernel<3, 3> for Backward {
+    fn op(&self) -> &'static str {
+        match self.centred {
+            true => "layer_norm backward",
+            false => "rms_norm backward",
+        }
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        inputs: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 3], String> {
+        let [_, columns] = backward_unsupported::<R>(inputs, device)?;
+        let parameter_grad = TensorSpec::new(Shape::new([columns]), DType::F32);
+        Ok([inputs[0].clone(), parameter_grad.clone(), parameter_grad])
+    }
+
     fn launch<R: CubeRuntime>(
         &self,
         [x, gamma, output_grad]: [CubeTensor<R>; 3],
-    ) -> Option<[CubeTensor<R>; 3]> {
+    ) -> [CubeTensor<R>; 3] {
         let grads = backward_kernel(x, gamma, output_grad, self.epsilon, self.centred);
-        routed("LayerNorm backward", grads)
+        accepted(self.op(), grads)
     }
 }

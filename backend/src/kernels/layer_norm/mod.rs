@@ -45,7 +45,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, Tensor, TensorMetadata};
 
-use super::route::{on_cube, on_flex};
+use super::cube_kernel::CubeKernel;
+use super::route::{on_cube, on_flex, took_reference};
 use super::{as_rows, cast_primitive, in_dtype, tensor};
 use crate::Parallel;
 
@@ -200,12 +201,13 @@ fn forward_on<B: Backend>(
 ) -> FloatTensor<B> {
     let kernel = cube::Forward { epsilon, centred };
     match on_cube(&kernel, inputs).or_else(|inputs| {
-        on_flex(inputs, |inputs| {
+        on_flex(kernel.op(), inputs, |inputs| {
             flex::layer_norm_forward(inputs, epsilon, centred)
         })
     }) {
         Ok([y]) => y,
         Err([x, gamma, beta]) => {
+            took_reference(kernel.op());
             let shape = x.shape();
             let (gamma, beta) = (tensor(gamma), tensor(beta));
             let y = reference_forward::<B>(as_rows(x), gamma, beta, epsilon, centred);
@@ -224,12 +226,13 @@ fn backward_on<B: Backend>(
 ) -> [FloatTensor<B>; 3] {
     let kernel = cube::Backward { epsilon, centred };
     match on_cube(&kernel, inputs).or_else(|inputs| {
-        on_flex(inputs, |inputs| {
+        on_flex(kernel.op(), inputs, |inputs| {
             flex::layer_norm_backward(inputs, epsilon, centred)
         })
     }) {
         Ok(grads) => grads,
         Err([x, gamma, output_grad]) => {
+            took_reference(kernel.op());
             let shape = x.shape();
             let (x, gamma, dy) = (as_rows(x), tensor(gamma), as_rows(output_grad));
             let grads = reference_backward::<B>(x, gamma, dy, epsilon, centred);

@@ -9,8 +9,9 @@
 //!
 //! Two implementations with one meaning:
 //! - **the CubeCL path** ([`kernel`]): the inputs cast to the compute type and multiplied by
-//!   Burn's own CubeCL matmul (cubek-matmul: autotuned, on tensor cores where the device has
-//!   them), which accumulates f16 and bf16 inputs in f32; then, when there is a bias or GELU,
+//!   Burn's own CubeCL matmul (cubek-matmul, on tensor cores where the device has them;
+//!   autotuned in a build with `cuda`, which turns on Burn's `autotune`, one fixed kernel
+//!   otherwise), which accumulates f16 and bf16 inputs in f32; then, when there is a bias or GELU,
 //!   our epilogue kernel, one pass over the f32 product that adds the bias, applies GELU and
 //!   rounds to the output type. As in Megatron-LM's bias-GELU fusion, the epilogue is one
 //!   elementwise kernel after the GEMM, not part of the GEMM's store: it replaces the two or
@@ -29,7 +30,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Tensor, TensorMetadata};
 
-use super::route::on_cube;
+use super::route::{on_cube, took_reference};
 use super::tensor;
 pub use cube::kernel;
 
@@ -143,7 +144,10 @@ pub fn mixed_matmul<B: Backend, const D: usize>(
     };
     match output {
         Ok(output) => tensor(output),
-        Err((lhs, rhs, bias)) => reference(tensor(lhs), tensor(rhs), bias.map(tensor), spec),
+        Err((lhs, rhs, bias)) => {
+            took_reference(cube::OP);
+            tensor(reference_on::<B>(lhs, rhs, bias, spec))
+        }
     }
 }
 
@@ -156,15 +160,36 @@ pub fn reference<B: Backend, const D: usize>(
     spec: MixedMatmul,
 ) -> Tensor<B, D> {
     let primitive = |t: Tensor<B, D>| t.into_primitive().tensor();
-    let product = rounded_product::<B>(primitive(lhs), primitive(rhs), spec.compute);
-    let mut out = tensor::<B, D>(product);
+    let bias = bias.map(|bias| bias.into_primitive().tensor());
+    tensor(reference_on::<B>(
+        primitive(lhs),
+        primitive(rhs),
+        bias,
+        spec,
+    ))
+}
+
+/// [`reference`] on primitives of any rank.
+pub(crate) fn reference_on<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    spec: MixedMatmul,
+) -> FloatTensor<B> {
+    let product = rounded_product::<B>(lhs, rhs, spec.compute);
+    let shape = product.shape();
+    // The epilogue is elementwise per column: on the product's rows, `[.., n]` as `[rows, n]`.
+    let mut out = super::as_rows::<B>(product);
     if let Some(bias) = bias {
-        out = out + super::in_dtype(bias, FloatDType::F32).unsqueeze();
+        out = out + super::in_dtype(tensor::<B, 1>(bias), FloatDType::F32).unsqueeze();
     }
     if spec.gelu {
         out = super::gelu_tanh_f32(out);
     }
-    super::in_dtype(out, spec.output)
+    B::float_reshape(
+        super::in_dtype(out, spec.output).into_primitive().tensor(),
+        shape,
+    )
 }
 
 /// The policy's matmul on primitives of any rank: `r(lhs)·r(rhs)` in f32, returned in `lhs`'s
@@ -182,7 +207,10 @@ pub(crate) fn policy_matmul<B: Backend>(
     };
     match on_cube(&spec, [lhs, rhs]) {
         Ok([out]) => out,
-        Err([lhs, rhs]) => B::float_cast(rounded_product::<B>(lhs, rhs, compute), output),
+        Err([lhs, rhs]) => {
+            took_reference(cube::OP);
+            B::float_cast(rounded_product::<B>(lhs, rhs, compute), output)
+        }
     }
 }
 

@@ -2,14 +2,14 @@
 //! input's type: `y = x·cos + b·sin` with `b` the element's partner in the other half of its
 //! head, negated in the first half (`rot(x₁, x₂) = (−x₂, x₁)`).
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::kernels::launch::{elementwise_grid, empty_like, routed};
-use crate::kernels::route::CubeKernel;
+use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
+use crate::kernels::launch::{accepted, elementwise_grid, empty_like};
 
 /// One unit per element of `x: [batch, seq, heads, width]` (contiguous): element `(·, p, ·, c)`
 /// reads row `p` of the `[seq, width]` tables at column `c`.
@@ -38,6 +38,36 @@ fn rope_elementwise<F: Float>(
     }
 }
 
+/// Why the kernel does not take `x: [batch, seq, heads, width]` and tables `[seq, width]` of
+/// these shapes and types on `device`, if it does not: they must be of one type, f32, f16 or
+/// bf16 on a device that has it, `x` non-empty and `width` even.
+fn unsupported<R: CubeRuntime>(
+    [x, cos, sin]: &[TensorSpec; 3],
+    device: &R::Device,
+) -> Result<(), String> {
+    let (shape, dtype) = (&x.shape, x.dtype);
+    if shape.num_dims() != 4 || shape.num_elements() == 0 {
+        return Err(format!(
+            "input {shape:?} (a non-empty [batch, seq, heads, width])"
+        ));
+    }
+    let (seq, width) = (shape[1], shape[3]);
+    if !width.is_multiple_of(2) {
+        return Err(format!("heads of odd width {width}"));
+    }
+    unsupported_float::<R>(dtype, device)?;
+    let table = TensorSpec::new(Shape::new([seq, width]), dtype);
+    for other in [cos, sin] {
+        if *other != table {
+            return Err(format!(
+                "table {:?} {:?} for input {shape:?} {dtype:?}",
+                other.shape, other.dtype
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The kernel on `x: [batch, seq, heads, width]` and tables `[seq, width]` (one type, f32, f16
 /// or bf16 on a device that has it; `width` even): the rotated `x`; or why it does not take them.
 pub fn rope_kernel<R: CubeRuntime>(
@@ -45,33 +75,9 @@ pub fn rope_kernel<R: CubeRuntime>(
     cos: CubeTensor<R>,
     sin: CubeTensor<R>,
 ) -> Result<CubeTensor<R>, String> {
-    let shape = x.meta.shape().clone();
+    unsupported::<R>(&[&x, &cos, &sin].map(TensorSpec::of), &x.device)?;
+    let [_, seq, heads, width] = x.meta.shape().dims::<4>();
     let dtype = x.dtype;
-    if shape.num_dims() != 4 || shape.num_elements() == 0 {
-        return Err(format!(
-            "input {shape:?} (a non-empty [batch, seq, heads, width])"
-        ));
-    }
-    let (seq, heads, width) = (shape[1], shape[2], shape[3]);
-    if !width.is_multiple_of(2) {
-        return Err(format!("heads of odd width {width}"));
-    }
-    if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
-        return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
-    }
-    if !x.client.properties().supports_type(dtype) {
-        return Err(format!("the device has no {dtype:?} arithmetic"));
-    }
-    let table_shape = Shape::new([seq, width]);
-    for table in [&cos, &sin] {
-        if *table.meta.shape() != table_shape || table.dtype != dtype {
-            return Err(format!(
-                "table {:?} {:?} for input {shape:?} {dtype:?}",
-                table.meta.shape(),
-                table.dtype
-            ));
-        }
-    }
     let [x, cos, sin] = [x, cos, sin].map(into_contiguous);
     let client = x.client.clone();
     let out = empty_like(&x);
@@ -97,14 +103,25 @@ pub fn rope_kernel<R: CubeRuntime>(
     Ok(out)
 }
 
-/// [`rope_kernel`] for the router: an error (logged) sends the call to the reference.
+/// [`rope_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Rope;
 
 impl CubeKernel<3, 1> for Rope {
-    fn launch<R: CubeRuntime>(
+    fn op(&self) -> &'static str {
+        "rope"
+    }
+
+    fn outputs<R: CubeRuntime>(
         &self,
-        [x, cos, sin]: [CubeTensor<R>; 3],
-    ) -> Option<[CubeTensor<R>; 1]> {
-        routed("RoPE", rope_kernel(x, cos, sin)).map(|y| [y])
+        inputs: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 1], String> {
+        unsupported::<R>(inputs, device)?;
+        Ok([inputs[0].clone()])
+    }
+
+    fn launch<R: CubeRuntime>(&self, [x, cos, sin]: [CubeTensor<R>; 3]) -> [CubeTensor<R>; 1] {
+        [accepted(self.op(), rope_kernel(x, cos, sin))]
     }
 }

@@ -35,7 +35,8 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::route::{on_cube, on_flex};
+use super::cube_kernel::CubeKernel;
+use super::route::{on_cube, on_flex, took_reference};
 use super::tensor;
 use crate::Parallel;
 
@@ -104,11 +105,15 @@ pub fn reference<B: Backend>(
 /// The op on backend `B`: the CubeCL kernel on CubeCL backends and the native loops on Flex
 /// (unless opted out), the reference otherwise.
 fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> FloatTensor<B> {
-    match on_cube(&cube::Rope, inputs).or_else(|inputs| on_flex(inputs, flex::rope)) {
+    let kernel = cube::Rope;
+    match on_cube(&kernel, inputs).or_else(|inputs| on_flex(kernel.op(), inputs, flex::rope)) {
         Ok([y]) => y,
-        Err([x, cos, sin]) => reference::<B>(tensor(x), tensor(cos), tensor(sin))
-            .into_primitive()
-            .tensor(),
+        Err([x, cos, sin]) => {
+            took_reference(kernel.op());
+            reference::<B>(tensor(x), tensor(cos), tensor(sin))
+                .into_primitive()
+                .tensor()
+        }
     }
 }
 

@@ -1,14 +1,13 @@
 //! The CubeCL kernels: `silu(g) ∘ u` forward and `[dg, du]` backward, one unit per element,
 //! computed in f32 and written in the inputs' type.
 
-use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::kernels::launch::{elementwise_grid, empty_like, routed};
-use crate::kernels::route::CubeKernel;
+use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
+use crate::kernels::launch::{accepted, elementwise_grid, empty_like};
 
 /// `σ(g) = 1 / (1 + e^−g)`.
 #[cube]
@@ -52,31 +51,28 @@ fn backward_elementwise<F: Float>(
     }
 }
 
-/// The inputs, contiguous, once they are ones the kernels take (one shape and type, f32, f16
-/// or bf16 on a device that has it, not empty); or why not.
+/// Why the kernels do not take inputs of these shapes and types on `device`, if they do not:
+/// they must be of one shape and type, f32, f16 or bf16 on a device that has it, not empty.
+fn unsupported<R: CubeRuntime>(inputs: &[TensorSpec], device: &R::Device) -> Result<(), String> {
+    let first = &inputs[0];
+    unsupported_float::<R>(first.dtype, device)?;
+    if let Some(other) = inputs.iter().find(|t| *t != first) {
+        return Err(format!(
+            "inputs {:?} {:?} and {:?} {:?}",
+            first.shape, first.dtype, other.shape, other.dtype
+        ));
+    }
+    if first.shape.num_elements() == 0 {
+        return Err("no elements".into());
+    }
+    Ok(())
+}
+
+/// The inputs, contiguous, once they are ones the kernels take ([`unsupported`]); or why not.
 fn checked<R: CubeRuntime, const N: usize>(
     inputs: [CubeTensor<R>; N],
 ) -> Result<[CubeTensor<R>; N], String> {
-    let (shape, dtype) = (inputs[0].meta.shape().clone(), inputs[0].dtype);
-    if ![DType::F32, DType::F16, DType::BF16].contains(&dtype) {
-        return Err(format!("dtype {dtype:?} (f32, f16 and bf16 are supported)"));
-    }
-    if !inputs[0].client.properties().supports_type(dtype) {
-        return Err(format!("the device has no {dtype:?} arithmetic"));
-    }
-    if let Some(other) = inputs
-        .iter()
-        .find(|t| *t.meta.shape() != shape || t.dtype != dtype)
-    {
-        return Err(format!(
-            "inputs {shape:?} {dtype:?} and {:?} {:?}",
-            other.meta.shape(),
-            other.dtype
-        ));
-    }
-    if shape.num_elements() == 0 {
-        return Err("no elements".into());
-    }
+    unsupported::<R>(&inputs.each_ref().map(TensorSpec::of), &inputs[0].device)?;
     Ok(inputs.map(into_contiguous))
 }
 
@@ -138,22 +134,50 @@ pub fn backward_kernel<R: CubeRuntime>(
 }
 
 /// [`forward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Forward;
 
 impl CubeKernel<2, 1> for Forward {
-    fn launch<R: CubeRuntime>(&self, [gate, up]: [CubeTensor<R>; 2]) -> Option<[CubeTensor<R>; 1]> {
-        routed("SwiGLU", forward_kernel(gate, up)).map(|y| [y])
+    fn op(&self) -> &'static str {
+        "swiglu forward"
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        inputs: &[TensorSpec; 2],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 1], String> {
+        unsupported::<R>(inputs, device)?;
+        Ok([inputs[0].clone()])
+    }
+
+    fn launch<R: CubeRuntime>(&self, [gate, up]: [CubeTensor<R>; 2]) -> [CubeTensor<R>; 1] {
+        [accepted(self.op(), forward_kernel(gate, up))]
     }
 }
 
 /// [`backward_kernel`] for the router.
+#[derive(Clone, Debug)]
 pub(super) struct Backward;
 
 impl CubeKernel<3, 2> for Backward {
+    fn op(&self) -> &'static str {
+        "swiglu backward"
+    }
+
+    fn outputs<R: CubeRuntime>(
+        &self,
+        inputs: &[TensorSpec; 3],
+        device: &R::Device,
+    ) -> Result<[TensorSpec; 2], String> {
+        unsupported::<R>(inputs, device)?;
+        Ok([inputs[0].clone(), inputs[0].clone()])
+    }
+
     fn launch<R: CubeRuntime>(
         &self,
         [gate, up, output_grad]: [CubeTensor<R>; 3],
-    ) -> Option<[CubeTensor<R>; 2]> {
-        routed("SwiGLU backward", backward_kernel(gate, up, output_grad))
+    ) -> [CubeTensor<R>; 2] {
+        accepted(self.op(), backward_kernel(gate, up, output_grad))
     }
 }

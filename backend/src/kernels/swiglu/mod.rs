@@ -40,7 +40,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{FloatDType, Shape, Tensor, TensorMetadata};
 
-use super::route::{on_cube, on_flex};
+use super::cube_kernel::CubeKernel;
+use super::route::{on_cube, on_flex, took_reference};
 use super::{as_rows, in_dtype, tensor};
 use crate::Parallel;
 
@@ -116,10 +117,13 @@ fn reshaped<B: Backend>(t: Tensor<B, 2>, shape: Shape) -> FloatTensor<B> {
 /// The forward on backend `B`: the CubeCL kernel on CubeCL backends and the native loop on Flex
 /// (unless opted out), the reference otherwise.
 fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 2]) -> FloatTensor<B> {
-    let routed = on_cube(&cube::Forward, inputs).or_else(|inputs| on_flex(inputs, flex::forward));
+    let kernel = cube::Forward;
+    let routed =
+        on_cube(&kernel, inputs).or_else(|inputs| on_flex(kernel.op(), inputs, flex::forward));
     match routed {
         Ok([y]) => y,
         Err([gate, up]) => {
+            took_reference(kernel.op());
             let shape = gate.shape();
             reshaped(reference_forward::<B>(as_rows(gate), as_rows(up)), shape)
         }
@@ -129,10 +133,13 @@ fn forward_on<B: Backend>(inputs: [FloatTensor<B>; 2]) -> FloatTensor<B> {
 /// `[dg, du]` on backend `B` from `[gate, up, output_grad]`: the CubeCL kernel on CubeCL
 /// backends and the native loop on Flex (unless opted out), the reference otherwise.
 fn backward_on<B: Backend>(inputs: [FloatTensor<B>; 3]) -> [FloatTensor<B>; 2] {
-    let routed = on_cube(&cube::Backward, inputs).or_else(|inputs| on_flex(inputs, flex::backward));
+    let kernel = cube::Backward;
+    let routed =
+        on_cube(&kernel, inputs).or_else(|inputs| on_flex(kernel.op(), inputs, flex::backward));
     match routed {
         Ok(grads) => grads,
         Err([gate, up, output_grad]) => {
+            took_reference(kernel.op());
             let shape = gate.shape();
             reference_backward::<B>(as_rows(gate), as_rows(up), as_rows(output_grad))
                 .map(|grad| reshaped(grad, shape.clone()))
