@@ -1,15 +1,16 @@
 //! The CubeCL FlashAttention-2 kernels (`kernels::attention::cube`) on wgpu (Mesa's lavapipe on CI), and
 //! on CUDA too in a `--features cuda` build (`scripts/gpu-check.sh`): forward and all three
 //! input gradients against decomposed attention with autodiff on Flex in f32, from the same
-//! (rounded) inputs, causal and not, lengths 1, 17, 128 and 257 (the tile is 32 rows), head dims
-//! 32, 64 and 128. The native loops on Flex (`kernels::attention::flex`) run the same cases in f32, and
-//! are checked to read strided heads as they lie.
+//! (rounded) inputs, causal and not, at the tile edges ([`CASES`]). In f16 the cases are those of
+//! one head dim ([`HALF_CASES`]), in bf16 all of them. The native loops on Flex
+//! (`kernels::attention::flex`) run every head dim with both masks in f32, and are checked to
+//! read strided heads as they lie.
 //!
 //! Lavapipe ends an invocation's loops after 65535 iterations in all (see
 //! `kernels::route::LOOP_ITERATION_CAP`); before the kernels unrolled their loops over a row's
-//! columns, head dim 128 at length 257 passed it and gave wrong gradients. That case is tested
-//! here, and length 600 (past it before, for the forward too) in its own test, as is the
-//! kernels' declining a shape still past it where the wgpu device may be lavapipe.
+//! columns, head dim 128 at length 257 passed it and gave wrong gradients. Length 600 at head
+//! dim 128 (past it before, for the forward too) has its own test, as has the kernels' declining
+//! a shape still past it where the wgpu device may be lavapipe.
 //!
 //! Tolerances, on `max |kernel − reference| / max |reference|` per tensor:
 //! - **f32**: 1e-5. Both compute in f32; they differ only in summation order.
@@ -106,20 +107,23 @@ fn errors<B: Backend>(
     errors
 }
 
-/// Every `(head dim, lengths)` and mask in `dtype` with `run` on backend `B`, each within
+/// A head dim, the lengths to run at it, and the masks (causal or not) to run each with.
+type Case = (usize, &'static [usize], &'static [bool]);
+
+/// Every length and mask of each case in `dtype` with `run` on backend `B`, each within
 /// `tolerance`.
 fn check_on<B: Backend>(
     device: &B::Device,
     dtype: DType,
     tolerance: f32,
-    cases: &[(usize, &[usize])],
+    cases: &[Case],
     run: Run<B>,
 ) {
     let backend = B::name(device);
     let mut failures = Vec::new();
-    for &(d_head, lengths) in cases {
+    for &(d_head, lengths, masks) in cases {
         for &seq in lengths {
-            for causal in [true, false] {
+            for &causal in masks {
                 let start = std::time::Instant::now();
                 let errors = errors::<B>(device, dtype, (seq, d_head, causal), run);
                 let case = format!(
@@ -142,7 +146,7 @@ fn check_on<B: Backend>(
 
 /// [`check_on`] with the CubeCL kernels on kernel backend `B`, where it has a device that
 /// computes in `dtype`.
-fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usize])]) {
+fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[Case]) {
     let Some(device) = B::test_device() else {
         return;
     };
@@ -154,12 +158,32 @@ fn check<B: KernelBackend>(dtype: DType, tolerance: f32, cases: &[(usize, &[usiz
 /// The kernels' tile edges at head dims of one, two (48: the second part-filled, its padding
 /// columns zero) and four 32-column steps: one row, part of a tile (17), whole tiles (64, two
 /// of `TILE` = 32 rows) and a part past whole ones (65). Longer sequences add only more whole
-/// tiles, at quadratic cost on lavapipe; each head dim is another shader to compile there.
-const CASES: [(usize, &[usize]); 3] = [
-    (32, &[1, 17, 64, 65]),
-    (48, &[1, 17, 64, 65]),
-    (128, &[1, 17, 64, 65]),
+/// tiles, at quadratic cost on lavapipe. Both masks at 48 and 128; head dim 32 only causal, as
+/// the models run: on lavapipe each head dim and mask is a set of shaders to compile per type
+/// (20–50 s each on a 2-vCPU Xeon, most of the test's time), and the mask is the same code at
+/// every head dim.
+const CASES: [Case; 3] = [
+    (32, TILE_EDGES, &[true]),
+    (48, TILE_EDGES, &[true, false]),
+    (128, TILE_EDGES, &[true, false]),
 ];
+
+/// The lengths at the tile edges (see [`CASES`]).
+const TILE_EDGES: &[usize] = &[1, 17, 64, 65];
+
+/// Every head dim of [`CASES`] with both masks: for the native loops on Flex, where a case costs
+/// no compiling.
+const EVERY_MASK: [Case; 3] = [
+    (32, TILE_EDGES, &[true, false]),
+    (48, TILE_EDGES, &[true, false]),
+    (128, TILE_EDGES, &[true, false]),
+];
+
+/// The half-type cases: causal at head dim 48, the part-filled step. A half type changes only
+/// how the kernels load and store (they compute in f32 and round on output), the same code at
+/// every head dim and mask. bf16 runs only on CUDA, where compiling costs little, so it keeps
+/// every case of [`CASES`].
+const HALF_CASES: [Case; 1] = [(48, TILE_EDGES, &[true])];
 
 #[test]
 fn wgpu_tensors_route_to_the_cubecl_kernels_unless_opted_out() {
@@ -178,7 +202,7 @@ fn f32_kernels_match_decomposed_attention() {
 
 #[test]
 fn f16_kernels_match_decomposed_attention() {
-    on_kernel_backends!(check(DType::F16, 4.0 * 2f32.powi(-11), &CASES));
+    on_kernel_backends!(check(DType::F16, 4.0 * 2f32.powi(-11), &HALF_CASES));
 }
 
 #[test]
@@ -187,12 +211,12 @@ fn bf16_kernels_match_decomposed_attention() {
 }
 
 /// The native loops on Flex, f32 only (half types run the reference, tested in
-/// `kernels::attention`): every case, and length 600 at head dim 128.
+/// `kernels::attention`): every head dim with both masks, and length 600 at head dim 128.
 #[test]
 fn flex_loops_match_decomposed_attention() {
     let device = Default::default();
-    check_on::<Flex>(&device, DType::F32, 1e-5, &CASES, flex_loops);
-    check_on::<Flex>(&device, DType::F32, 1e-5, &[(128, &[600])], flex_loops);
+    check_on::<Flex>(&device, DType::F32, 1e-5, &EVERY_MASK, flex_loops);
+    check_on::<Flex>(&device, DType::F32, 1e-5, &LENGTH_600, flex_loops);
 }
 
 /// The loops read heads where they lie: on a strided view (the GPT's heads, `[batch, seq,
@@ -261,11 +285,14 @@ fn parallel_flex_routes_f32_attention_to_the_loops() {
     assert_eq!(routed, loops);
 }
 
+/// Length 600 at head dim 128, both masks.
+const LENGTH_600: [Case; 1] = [(128, &[600], &[true, false])];
+
 /// Length 600 at head dim 128: past lavapipe's loop cap before the loops over a row's columns
 /// were unrolled (the forward was wrong too); now well inside it.
 #[test]
 fn head_dim_128_length_600() {
-    on_kernel_backends!(check(DType::F32, 1e-5, &[(128, &[600])]));
+    on_kernel_backends!(check(DType::F32, 1e-5, &LENGTH_600));
 }
 
 /// Where the wgpu device may be Mesa's lavapipe (it is installed, so wgpu's default device may
