@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds everything `scripts/gpu-check.sh` runs, with `--features cuda`, on a machine that has
-# Rust (no GPU needed), and copies the executables, stripped, into one folder (default
+# Rust (no GPU needed), and copies the executables, without debug info, into one folder (default
 # target/gpu-bundle), and that folder into one file beside it (`<folder>.tar.xz`). Copy either
 # to a GPU machine that has CUDA but no Rust toolchain, with this repository, and run
 # `WILDFIRE_GPU_BUNDLE=<folder> scripts/gpu-check.sh` there. Both machines need x86-64
@@ -30,7 +30,8 @@ for name in $wanted; do
         echo "gpu-bundle: cargo built no executable named $name" >&2
         exit 1
     fi
-    strip -o "$bundle/$name" "$executable"
+    # Debug info out, symbols kept: a panic's backtrace still names its functions.
+    strip --strip-debug -o "$bundle/$name" "$executable"
 done
 rm -f "$messages"
 # One compressed file too (about a quarter of the folder's size), for copying.

@@ -8,6 +8,9 @@
 #                 torch.compile, bf16 autocast, same batch, where PyTorch with CUDA is installed
 #                 (benches/reference/train_tiny.py --model gpt2). Its table (scripts/gpu-summary.py)
 #                 gives the first step (compiling and autotuning) apart from the steady step.
+#   profile       `wildfire train --profile 3` on the same GPT-2 step (each step's table of kernels,
+#                 its time outside them, its blocking reads), beside torch.profiler's table of the
+#                 PyTorch eager step (benches/reference/train_tiny.py --profile 2).
 #   kernel-tests  the CubeCL kernels' tests on CUDA (f32, f16, bf16), the kernels queued in Burn's
 #                 fusion stream against the bare backend, and a GPT training step with the kernels
 #                 against the decomposed ops: what must pass before a kernel is turned on on CUDA.
@@ -32,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-all_steps="speed kernel-tests kernels fused-all comm"
+all_steps="speed profile kernel-tests kernels fused-all comm"
 steps=$all_steps
 if [ "${1:-}" = "--only" ]; then
     steps=${2:?"--only needs a comma-separated list of steps: ${all_steps// /, }"}
@@ -148,7 +151,9 @@ fi
 # nvidia-smi has seen a GPU, so a CUDA device the tests cannot use is a failure, not a skip.
 export WILDFIRE_REQUIRE_CUDA=1
 
-# GPT-2 124M on one GPU, bf16, context 1024, 8 sequences per step; `extra` settings after.
+# GPT-2 124M on one GPU, bf16, context 1024, 8 sequences per step; `extra` settings after. The
+# loop reads each step's loss and norm back at its end (run.log_every=1), so every step has its
+# own time, as PyTorch's reference synchronises after each of its steps.
 batch=8
 train_gpt2() { # run name, description, extra --set arguments...
     local name=$1 description=$2
@@ -157,7 +162,7 @@ train_gpt2() { # run name, description, extra --set arguments...
         "$bin_dir/wildfire" train --config recipes/configs/gpt2-124m.toml --device cuda \
         --precision bf16 --set train.max_steps=30 --set "train.micro_batch=$batch" \
         --set train.grad_accum=1 --set train.eval_every=0 --set checkpoint.every=0 \
-        --set run.log_every=5 --set "run.dir=\"$logs/gpt2-run-$name\"" "$@"
+        --set run.log_every=1 --set "run.dir=\"$logs/gpt2-run-$name\"" "$@"
 }
 
 if wanted speed; then
@@ -176,11 +181,23 @@ if wanted speed; then
     fi
 fi
 
+if wanted profile; then
+    train_gpt2 profile "the same GPT-2 step profiled: a table of kernels per step (--profile 3)" \
+        --set train.max_steps=4 --profile 3
+    if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        limit=$((2 * step_limit)) run profile-torch "torch.profiler's table of the PyTorch eager step" \
+            python3 benches/reference/train_tiny.py --threads 8 --model gpt2 --device cuda \
+            --batch "$batch" --bf16 --warmup 3 --steps 2 --profile 2
+    else
+        note "SKIP  torch.profiler's table: no PyTorch with CUDA (pip install torch)"
+    fi
+fi
+
 if wanted kernel-tests; then
     # Each kernel against f64 or decomposed attention in f32, f16 and bf16 (bf16 is skipped on
     # lavapipe), the kernels queued in the fusion stream against the bare backend, and a GPT
     # training step with the kernels against the decomposed ops.
-    for module in flash_attention mixed_matmul bias_gelu layer_norm rope swiglu fusion; do
+    for module in flash_attention mixed_matmul bias_gelu layer_norm rope swiglu adamw fusion; do
         run "test-$module" "CubeCL kernel tests on CUDA: $module" \
             cargo_test wildfire-backend backend "$module::"
     done
@@ -204,7 +221,9 @@ if wanted fused-all; then
 fi
 
 if wanted comm; then
-    run comm-check "comm-check, world size 1, CUDA tensors" "$bin_dir/wildfire" comm-check --device cuda
+    # With a backtrace: an earlier check saw it panic on a misaligned read-back.
+    RUST_BACKTRACE=1 run comm-check "comm-check, world size 1, CUDA tensors" \
+        "$bin_dir/wildfire" comm-check --device cuda
     if [ "$gpus" -gt 1 ]; then
         run comm-check-nccl "comm-check, $gpus processes (one per GPU), CUDA tensors, tcp transport" \
             "$bin_dir/wildfire" launch --nproc-per-node "$gpus" --master-port 29555 -- \

@@ -4,8 +4,8 @@
 
     scripts/gpu-summary.py LOGS
 
-LOGS is the check's log folder: every `gpt2-run-*` folder in it is a wildfire run, every
-`torch-*.log` a PyTorch run. For wildfire it prints the first step apart (it compiles the kernels
+LOGS is the check's log folder: every `gpt2-run-*` folder in it is a wildfire run (but the
+profiled one), every `torch-*.log` a PyTorch run. For wildfire it prints the first step apart (it compiles the kernels
 and, with autotune, times the candidates of each new shape) from the steady state: the median
 step of those after the first `WARMUP`, the tokens/s and MFU of that median, and the ratio to
 PyTorch eager's and torch.compile's tokens/s where they ran.
@@ -23,6 +23,8 @@ WARMUP = 5
 
 def wildfire_runs(logs):
     for run in sorted(logs.glob("gpt2-run-*")):
+        if run.name.endswith("-profile"):
+            continue  # profiled: every kernel timed, so not a speed
         metrics = run / "metrics.jsonl"
         if not metrics.exists():
             yield run.name, None

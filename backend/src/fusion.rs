@@ -13,7 +13,13 @@
 //!   (on the host's side; the device keeps running), and hand their results back to the queue
 //!   as new tensors ([`adopt`]). They cannot be queued: they must return errors and keep their
 //!   deadlines, which a queued operation cannot.
+//! - **f64 stays out of the queue**: Burn's fusers have no f64 (burn-cubecl-fusion 0.21 panics
+//!   with "Unsupported precision for fusion: f64"), so code that would compute in f64 asks
+//!   [`is_fused_backend`] first.
 
+use std::any::TypeId;
+
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -27,6 +33,23 @@ use crate::kernels::cube_kernel::{CubeKernel, TensorSpec};
 
 /// A tensor of Burn's fusion backend over CubeCL runtime `R`.
 pub type FusedTensor<R> = FusionTensor<FusionCubeRuntime<R>>;
+
+/// Whether `B`'s float tensors are those of Burn's fusion backend over a CubeCL runtime
+/// ([`crate::device::FusedWgpu`], [`crate::device::FusedCuda`], alone or inside `Parallel<_>`),
+/// whose stream must not see f64 (see the module doc).
+pub fn is_fused_backend<B: Backend>() -> bool {
+    let primitive = TypeId::of::<B::FloatTensorPrimitive>();
+    #[cfg(feature = "wgpu")]
+    if primitive == TypeId::of::<FusedTensor<cubecl::wgpu::WgpuRuntime>>() {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    if primitive == TypeId::of::<FusedTensor<cubecl::cuda::CudaRuntime>>() {
+        return true;
+    }
+    let _ = primitive;
+    false
+}
 
 /// The CubeCL backend whose handles a fused tensor over runtime `R` resolves to. The float,
 /// int and bool element types do not matter here: a handle becomes a `CubeTensor<R>` of the

@@ -1,8 +1,9 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
-//! ([`comm`]), the backend decorator [`Parallel<B>`], fused kernels ([`kernels`]), each rank's
-//! device and backend ([`device`]), what meets Burn's fusion stream ([`fusion`]), tensor values
-//! read back to the host whatever their alignment ([`host_data`]), and the process launcher
-//! behind `wildfire launch` ([`launch`]).
+//! ([`comm`]), the backend decorator [`Parallel<B>`] (which counts [`blocking_reads`]), fused
+//! kernels ([`kernels`]), each rank's device and backend ([`device`]), what meets Burn's fusion
+//! stream ([`fusion`]), tensor values read back to the host whatever their alignment
+//! ([`host_data`]), the process launcher behind `wildfire launch` ([`launch`]), and tables of
+//! the kernels a few steps ran ([`profile`]).
 
 pub mod alloc;
 pub mod collective;
@@ -13,9 +14,11 @@ pub mod fusion;
 pub mod host_data;
 pub mod kernels;
 pub mod launch;
+pub mod profile;
 mod typecast;
 
 pub use decorator::Parallel;
+pub use decorator::reads::blocking_reads;
 
 /// The unit tests' heap, counted where a test asserts what was (not) allocated.
 #[cfg(test)]

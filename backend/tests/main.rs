@@ -7,6 +7,7 @@
 #[macro_use]
 mod common;
 
+mod adamw;
 mod bias_gelu;
 mod flash_attention;
 mod fusion;

@@ -15,6 +15,7 @@ Usage: python3 train_tiny.py --threads N [--warmup W --steps S --model M --devic
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -129,6 +130,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--bf16", action="store_true", help="autocast the forward to bf16")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, print torch.profiler's table of this many more")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -152,9 +155,7 @@ def main():
     )
     data = torch.randint(0, vocab, (batch, context + 1), device=device)
     inputs, targets = data[:, :-1], data[:, 1:]
-    times = []
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
+    def one_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             logits = step_model(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
@@ -164,8 +165,24 @@ def main():
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        one_step()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    if args.profile > 0:
+        # The same step under torch.profiler, beside `wildfire train --profile`'s tables.
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(args.profile):
+                one_step()
+        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"torch.profiler, {args.profile} steps:", file=sys.stderr)
+        print(profile.key_averages().table(sort_by=sort_by, row_limit=30), file=sys.stderr)
     times.sort()
     median = times[len(times) // 2]
     print(json.dumps({

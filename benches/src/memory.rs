@@ -103,7 +103,7 @@ fn model_states() -> anyhow::Result<Vec<StateRow>> {
             (*id, moments)
         })
         .collect();
-    let halves = MatrixDecayAdamW::new(&RunConfig::load(None, &[])?.train).halves();
+    let halves = MatrixDecayAdamW::new(&RunConfig::load(None, &[])?.train, true).halves();
     let mut rows = Vec::new();
     for dp in [1, 2, 4] {
         let options = CommOptions {

@@ -137,7 +137,7 @@ fn worker_on<B: AutodiffBackend + DecoratedBackend>(
     B::seed(&device, 0);
     let config = args.preset.config(VOCAB);
     let mut model = Gpt::<B>::new(&config, StageSpec::whole(&config), &device);
-    let mut optimizer = OptimizerAdaptor::from(MatrixDecayAdamW::new(&train_config()));
+    let mut optimizer = OptimizerAdaptor::from(MatrixDecayAdamW::new(&train_config(), true));
     let mut rng = SplitMix64::new(1);
     let context = config.context;
     let tokens: Vec<i64> = (0..BATCH * (context + 1))

@@ -19,10 +19,11 @@ use burn::module::{AutodiffModule, Module};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, Relu};
 use burn::optim::{AdamWConfig, Optimizer};
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::collective::CollectiveBackend;
 use wildfire_parallel::Mesh;
+use wildfire_parallel::device_value::read_values;
 use wildfire_parallel::fsdp::ShardedUnit;
 use wildfire_parallel::paths::PathStack;
 use wildfire_parallel::pp::{PipelineChunk, Schedule, ScheduleKind, check, graphs_lock, run_step};
@@ -93,14 +94,13 @@ impl<B: AutodiffBackend + CollectiveBackend> PipelineChunk<B> for MlpStage<B> {
         .unsqueeze()
     }
 
-    fn loss(&self, output: Tensor<B, 3>, batch: &MicroBatch<B>) -> (Tensor<B, 1>, f64) {
+    fn loss(&self, output: Tensor<B, 3>, batch: &MicroBatch<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
         let logits = output.squeeze_dim(0);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, batch.points.targets.clone())
             * batch.loss_scale;
-        let value = loss.clone().into_scalar().elem::<f64>();
-        (loss, value)
+        (loss.clone(), loss)
     }
 }
 
@@ -163,7 +163,8 @@ where
         let chunks = [stage];
         let result = run_step(&schedule, group.rank(), group, &chunks, &micro, &device)?;
         let [chunk] = chunks;
-        losses.push(result.stats.loss);
+        // The step's loss stays on the device; all of them are read once, at the end.
+        losses.push(result.loss);
         let grads = result.grads.into_iter().next().unwrap_or_default();
         {
             let _lock = graphs_lock();
@@ -178,5 +179,5 @@ where
             mesh.world(),
         )?;
     }
-    Ok((stage, losses))
+    Ok((stage, read_values(losses)))
 }

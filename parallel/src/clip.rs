@@ -6,122 +6,137 @@
 //! n = √(Σ_p ‖g_p‖²)          c = max_norm / (n + 10⁻⁶)          g ← c·g   when c < 1
 //! ```
 //!
+//! Everything here runs on the device: the norm, the factor and the scaling are tensors, and
+//! the host reads none of them (so a GPU never waits for the host here). Each `‖g_p‖²` is
+//! reduced by the backend in the gradient's type, and the terms are summed in the device's
+//! widest float (f64 on the CPU; see [`crate::device_value`]).
+//!
 //! Burn's own `GradientClipping::Norm` bounds each tensor's norm separately, which is a
 //! different (and model-size dependent) rule.
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{FloatDType, Tensor};
 
-/// Visits every float parameter that has a gradient, in module order.
-struct GradVisitor<'a, F> {
-    grads: &'a GradientsParams,
-    each: F,
-}
+use crate::device_value::fold_sum;
 
-impl<B, F> ModuleVisitor<B> for GradVisitor<'_, F>
-where
-    B: AutodiffBackend,
-    F: FnMut(ParamId, f64),
-{
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let squares = grad.square().sum().into_scalar().elem::<f64>();
-            (self.each)(param.id, squares);
-        }
-    }
-}
+/// The inner backend of autodiff backend `B`, where gradients live.
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
-/// Σ‖g_p‖² over the parameters of `module` that have gradients, except those in `skip` (e.g. a
-/// copy of a parameter that another rank counts): each term reduced by the backend and summed
-/// here in f64, in module order (so the value is deterministic).
+/// `Σ‖g_p‖²` over the parameters of `module` that have gradients, except those in `skip` (e.g.
+/// a copy of a parameter that another rank counts), on the device: each term reduced by the
+/// backend in the gradient's type, the terms folded in module order in the device's widest
+/// float (`device_value::fold_sum`: f64 on the CPU, where the value is the host's f64 sum of
+/// the same terms). Nothing is read back.
 pub fn grad_sum_of_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
     skip: &[ParamId],
-) -> f64 {
+) -> Tensor<Inner<B>, 1> {
     grad_sum_of_squares_where(module, grads, |id| !skip.contains(&id))
 }
 
-/// Σ‖g_p‖² over the parameters of `module` that have gradients and that `counted` accepts, in
-/// module order.
+/// `Σ‖g_p‖²` over the parameters of `module` that have gradients and that `counted` accepts,
+/// in module order, on the device (see [`grad_sum_of_squares`]).
 pub fn grad_sum_of_squares_where<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
     counted: impl Fn(ParamId) -> bool,
-) -> f64 {
-    let mut total = 0.0;
-    module.visit(&mut GradVisitor {
-        grads,
-        each: |id, squares| {
-            if counted(id) {
-                total += squares;
+) -> Tensor<Inner<B>, 1> {
+    struct Squares<'a, B: Backend, F> {
+        grads: &'a GradientsParams,
+        counted: F,
+        terms: Vec<Tensor<B, 1>>,
+    }
+    impl<B: AutodiffBackend, F: Fn(ParamId) -> bool> ModuleVisitor<B> for Squares<'_, Inner<B>, F> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !(self.counted)(param.id) {
+                return;
             }
-        },
-    });
-    total
+            if let Some(grad) = self.grads.get::<Inner<B>, D>(param.id) {
+                self.terms.push(grad.square().sum());
+            }
+        }
+    }
+    let mut squares = Squares {
+        grads,
+        counted,
+        terms: Vec::new(),
+    };
+    module.visit(&mut squares);
+    fold_sum(squares.terms, &crate::update::module_inner_device(module))
 }
 
 /// Global gradient-norm clipping of one module's gradients (see the module doc): returns the
-/// norm before clipping. `max_norm = 0` only measures.
+/// norm before clipping, on the device. `max_norm = 0` only measures.
 pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
     max_norm: f64,
-) -> f64 {
-    let squares = grad_sum_of_squares(module, grads, &[]);
-    clip_to_norm(module, grads, max_norm, squares)
-}
-
-/// [`clip_global_norm`] when the model is spread over ranks: `sum_of_squares` is `Σ_p ‖g_p‖²`
-/// over the *whole* model (every rank's share, each parameter counted once), and `module` and
-/// `grads` are this rank's part. Returns the global norm.
-pub fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    grads: &mut GradientsParams,
-    max_norm: f64,
-    sum_of_squares: f64,
-) -> f64 {
-    let norm = sum_of_squares.sqrt();
-    if let Some(factor) = clip_factor(norm, max_norm) {
+) -> Tensor<Inner<B>, 1> {
+    let norm = grad_sum_of_squares(module, grads, &[]).sqrt();
+    if let Some(factor) = unscale_and_clip(norm.clone(), max_norm, 1.0) {
         scale_grads(module, grads, factor);
     }
     norm
 }
 
-/// The factor `c = max_norm / (norm + 10⁻⁶)` that clips a gradient of norm `norm`, when
-/// clipping is on (`max_norm > 0`) and `c < 1`.
-pub fn clip_factor(norm: f64, max_norm: f64) -> Option<f64> {
-    let factor = max_norm / (norm + 1e-6);
-    (max_norm > 0.0 && factor < 1.0).then_some(factor)
+/// The factor that unscales gradients of `loss_scale · L` and clips them to `max_norm`, given
+/// their true norm `norm` (on the device, in its type):
+///
+/// ```text
+/// f = min(1, max_norm / (norm + 10⁻⁶)) / loss_scale       (max_norm > 0)
+/// f = 1 / loss_scale                                       (max_norm = 0: no clipping)
+/// ```
+///
+/// computed on the device, so the host never waits for the norm. `None` when the factor is 1
+/// whatever the norm (no clipping, no loss scale): nothing to multiply. A norm that is not
+/// finite gives a factor that is not finite either.
+pub fn unscale_and_clip<B: Backend>(
+    norm: Tensor<B, 1>,
+    max_norm: f64,
+    loss_scale: f64,
+) -> Option<Tensor<B, 1>> {
+    let options = (&norm.device(), norm.dtype());
+    if max_norm <= 0.0 {
+        return (loss_scale != 1.0).then(|| Tensor::ones([1], options) / loss_scale);
+    }
+    let clip = Tensor::full([1], max_norm, options) / (norm + 1e-6);
+    Some(clip.clamp_max(1.0) / loss_scale)
 }
 
-/// Multiplies every gradient of `module` by `factor`.
+/// Multiplies every gradient of `module` by `factor` (a one-element tensor on the device),
+/// rounded to each gradient's type.
 pub fn scale_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
-    factor: f64,
+    factor: Tensor<Inner<B>, 1>,
 ) {
-    struct Scale<'a> {
+    struct Scale<'a, B: Backend> {
         grads: &'a mut GradientsParams,
-        factor: f64,
+        factor: Tensor<B, 1>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, Inner<B>> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                self.grads.register(param.id, grad.mul_scalar(self.factor));
+            if let Some(grad) = self.grads.remove::<Inner<B>, D>(param.id) {
+                let scaled = scaled_by(grad, &self.factor);
+                self.grads.register(param.id, scaled);
             }
         }
     }
     module.visit(&mut Scale { grads, factor });
 }
 
-/// The factor that unscales gradients of `loss_scale · L` and clips them to `max_norm` (given
-/// their true norm), or `None` when it is 1.
-pub fn unscale_and_clip(grad_norm: f64, max_norm: f64, loss_scale: f64) -> Option<f64> {
-    let factor = clip_factor(grad_norm, max_norm).unwrap_or(1.0) / loss_scale;
-    (factor != 1.0).then_some(factor)
+/// `tensor · factor` for a one-element `factor`, rounded to `tensor`'s type first: the product
+/// `tensor.mul_scalar(f)` gives for the host value `f`.
+pub fn scaled_by<B: Backend, const D: usize>(
+    tensor: Tensor<B, D>,
+    factor: &Tensor<B, 1>,
+) -> Tensor<B, D> {
+    let dtype = FloatDType::from(tensor.dtype());
+    let factor = factor.clone().cast(dtype).reshape([1; D]);
+    tensor * factor
 }
 
 #[cfg(test)]
@@ -131,6 +146,7 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
+    use crate::device_value::read_value;
 
     type B = Autodiff<Flex>;
 
@@ -144,7 +160,7 @@ mod tests {
         let x = Tensor::<B, 2>::from_data(TensorData::from([[1.0f32, 2.0], [3.0, 4.0]]), &device);
         let grads = linear.forward(x).sum().backward();
         let mut grads = GradientsParams::from_grads(grads, &linear);
-        let norm = clip_global_norm(&linear, &mut grads, 1.0);
+        let norm = read_value(clip_global_norm(&linear, &mut grads, 1.0));
         assert!((norm - 168f64.sqrt()).abs() < 1e-5, "norm {norm}");
         let scale = (1.0 / (168f64.sqrt() + 1e-6)) as f32;
         let weight = grads.get::<Flex, 2>(linear.weight.id).unwrap().into_data();
@@ -160,7 +176,7 @@ mod tests {
             &TensorData::from([2.0 * scale; 3]),
             burn::tensor::Tolerance::absolute(1e-6),
         );
-        let clipped = grad_sum_of_squares(&linear, &grads, &[]).sqrt();
+        let clipped = read_value(grad_sum_of_squares(&linear, &grads, &[])).sqrt();
         assert!(
             (clipped - 1.0).abs() < 1e-5,
             "norm after clipping {clipped}"
@@ -173,7 +189,7 @@ mod tests {
         let linear = LinearConfig::new(2, 3).init::<B>(&device);
         let x = Tensor::<B, 2>::from_data(TensorData::from([[1.0f32, 2.0], [3.0, 4.0]]), &device);
         let mut grads = GradientsParams::from_grads(linear.forward(x).sum().backward(), &linear);
-        let norm = clip_global_norm(&linear, &mut grads, 100.0);
+        let norm = read_value(clip_global_norm(&linear, &mut grads, 100.0));
         assert!((norm - 168f64.sqrt()).abs() < 1e-5);
         let bias = grads
             .get::<Flex, 1>(linear.bias.as_ref().unwrap().id)
@@ -184,9 +200,16 @@ mod tests {
 
     #[test]
     fn unscaling_and_clipping_is_one_factor() {
-        assert_eq!(unscale_and_clip(0.5, 1.0, 1.0), None);
-        assert_eq!(unscale_and_clip(0.5, 1.0, 4.0), Some(0.25));
-        let factor = unscale_and_clip(4.0, 1.0, 2.0).unwrap();
-        assert!((factor - 1.0 / (4.0 + 1e-6) / 2.0).abs() < 1e-15);
+        let device = Default::default();
+        let f64_options = (&device, burn::tensor::DType::F64);
+        let norm = |n: f64| Tensor::<Flex, 1>::from_data(TensorData::from([n]), f64_options);
+        let factor =
+            |n, max_norm, scale| unscale_and_clip(norm(n), max_norm, scale).map(read_value);
+        assert_eq!(factor(0.5, 0.0, 1.0), None, "nothing to multiply");
+        assert_eq!(factor(0.5, 1.0, 1.0), Some(1.0), "below the bound");
+        assert_eq!(factor(0.5, 1.0, 4.0), Some(0.25));
+        assert_eq!(factor(0.5, 0.0, 4.0), Some(0.25), "unscaling alone");
+        let clipped = factor(4.0, 1.0, 2.0).unwrap();
+        assert_eq!(clipped.to_bits(), (1.0 / (4.0 + 1e-6) / 2.0f64).to_bits());
     }
 }

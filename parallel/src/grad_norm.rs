@@ -7,9 +7,15 @@
 //! item's (epoch, iteration) right after the step, and [`GradNormMetric`] takes it from there
 //! when that item's metrics are computed. An item without a step of its own (gradient
 //! accumulation, or a step skipped for an overflow) shows the last norm again.
+//!
+//! The norm stays on the device until the metric reads it, on burn-train's metrics thread: the
+//! training thread never waits for it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 
 use burn::train::metric::state::{FormatOptions, NumericMetricState};
 use burn::train::metric::{
@@ -17,24 +23,39 @@ use burn::train::metric::{
     SerializedEntry,
 };
 
+use crate::device_value::read_value;
 use crate::update::lock;
 
 /// The norms of the steps of one run, shared by its optimizers, its loop and its metric.
 #[derive(Debug, Clone, Default)]
 pub struct GradNorms(Arc<Mutex<Log>>);
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Log {
     /// The norm of the step just taken, not yet filed.
-    latest: Option<f64>,
+    latest: Option<UnreadNorm>,
     /// Filed norms by (epoch, iteration), until the metric takes them.
-    filed: HashMap<(usize, usize), f64>,
+    filed: HashMap<(usize, usize), UnreadNorm>,
 }
 
+impl std::fmt::Debug for Log {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Log")
+            .field("latest", &self.latest.is_some())
+            .field("filed", &self.filed.len())
+            .finish()
+    }
+}
+
+/// A norm still on the device, and the read that brings it to the host.
+type UnreadNorm = Box<dyn FnOnce() -> f64 + Send>;
+
 impl GradNorms {
-    /// Notes the norm of the step just taken (`None`: the step was skipped).
-    pub fn note(&self, norm: Option<f64>) {
-        lock(&self.0).latest = norm;
+    /// Notes the norm of the step just taken, a one-element tensor on the device (`None`: the
+    /// step was skipped). It is read when the metric shows it.
+    pub fn note<B: Backend>(&self, norm: Option<Tensor<B, 1>>) {
+        let unread = norm.map(|norm| -> UnreadNorm { Box::new(move || read_value(norm)) });
+        lock(&self.0).latest = unread;
     }
 
     /// Files the last noted norm under the item `(epoch, iteration)` that stepped.
@@ -45,9 +66,10 @@ impl GradNorms {
         }
     }
 
-    /// The norm filed under `(epoch, iteration)`, taken out of the log.
+    /// The norm filed under `(epoch, iteration)`, taken out of the log and read.
     fn take(&self, epoch: usize, iteration: usize) -> Option<f64> {
-        lock(&self.0).filed.remove(&(epoch, iteration))
+        let unread = lock(&self.0).filed.remove(&(epoch, iteration));
+        unread.map(|read| read())
     }
 
     /// The metric that shows these norms (register it with `metric_train_numeric`).

@@ -31,8 +31,9 @@ struct Shared<A: AutodiffBackend, O> {
     data: ProcessGroup,
     max_norm: f64,
     counted_elsewhere: Vec<ParamId>,
-    loss_scale: Mutex<f64>,
-    outcome: Mutex<Option<Result<UpdateStats, UpdateError>>>,
+    /// fp16's dynamic loss scale of the next steps, if any.
+    loss_scale: Mutex<Option<f64>>,
+    outcome: Mutex<Option<Result<UpdateStats<A::InnerBackend>, UpdateError>>>,
 }
 
 impl<A: AutodiffBackend, O> Clone for LearnerUpdate<A, O> {
@@ -68,7 +69,7 @@ impl<A: AutodiffBackend, O> LearnerUpdate<A, O> {
             data: groups.data.clone(),
             max_norm,
             counted_elsewhere,
-            loss_scale: Mutex::new(1.0),
+            loss_scale: Mutex::new(None),
             outcome: Mutex::new(None),
         };
         Self {
@@ -81,14 +82,17 @@ impl<A: AutodiffBackend, O> LearnerUpdate<A, O> {
         &self.shared.update
     }
 
-    /// The gradients of the next steps are those of `loss_scale · L` (see [`StepOptions`]).
-    pub fn set_loss_scale(&self, loss_scale: f64) {
+    /// The gradients of the next steps are those of `S · L` for fp16's dynamic loss scale
+    /// `loss_scale = Some(S)`, or of `L` (`None`). Under a loss scale a step whose gradient
+    /// overflowed is skipped, which reads the norm back each step
+    /// ([`StepOptions::skip_overflow`]).
+    pub fn set_loss_scale(&self, loss_scale: Option<f64>) {
         *lock(&self.shared.loss_scale) = loss_scale;
     }
 
     /// What the last step measured, or why it failed; an error when no step ran since the
     /// last call.
-    pub fn take_stats(&self) -> Result<UpdateStats, UpdateError> {
+    pub fn take_stats(&self) -> Result<UpdateStats<A::InnerBackend>, UpdateError> {
         lock(&self.shared.outcome)
             .take()
             .unwrap_or(Err(UpdateError::NoStep))
@@ -111,8 +115,10 @@ where
             replica: &shared.replica,
             data: &shared.data,
         };
+        let loss_scale = *lock(&shared.loss_scale);
         let options = StepOptions {
-            loss_scale: *lock(&shared.loss_scale),
+            loss_scale: loss_scale.unwrap_or(1.0),
+            skip_overflow: loss_scale.is_some(),
             counted_elsewhere: &shared.counted_elsewhere,
             ..StepOptions::new(lr, shared.max_norm)
         };

@@ -15,6 +15,7 @@
 
 pub mod checkpoint;
 pub mod clip;
+pub mod device_value;
 pub mod dp;
 pub mod fsdp;
 pub mod grad_norm;

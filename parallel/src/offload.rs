@@ -76,7 +76,7 @@ fn moved<B: Backend, C: Backend, const D: usize>(
     state: AdamWState<B, D>,
     device: &Device<C>,
 ) -> AdamWState<C, D> {
-    let copy = |tensor: Tensor<B, D>| Tensor::from_data(tensor.into_data(), device);
+    let copy = |tensor: Tensor<B, D>| Tensor::from_data(aligned(tensor.into_data()), device);
     let momentum = state.momentum;
     AdamWState::new(burn::optim::AdaptiveMomentumState {
         time: momentum.time,

@@ -24,9 +24,10 @@
 //!
 //! Every rank must take the same decision, or the replicas diverge. A trainer that computes the
 //! global gradient norm `‖S·g‖` (a sum of squares over every rank) has the verdict for free:
-//! a ±∞ or NaN anywhere makes that sum non-finite on every rank ([`unscaled_norm`]). Scales are
-//! powers of two, so scaling and unscaling are exact in binary floating point (barring
-//! underflow and overflow).
+//! a ±∞ or NaN anywhere makes that sum non-finite on every rank. The norm is computed on the
+//! device, so learning the verdict is a read of it: the one blocking read of an fp16 step
+//! (`StepOptions::skip_overflow` in [`crate::update`]). Scales are powers of two, so scaling and
+//! unscaling are exact in binary floating point (barring underflow and overflow).
 
 use std::fmt;
 use std::str::FromStr;
@@ -98,12 +99,6 @@ pub fn in_fp32<B: Backend, const D: usize, const E: usize>(
 ) -> Tensor<B, E> {
     let dtype = FloatDType::from(x.dtype());
     in_dtype(f(in_dtype(x, FloatDType::F32)), dtype)
-}
-
-/// The true gradient norm `‖g‖ = ‖S·g‖ / S` from the norm of the scaled gradients, or `None`
-/// when that norm is not finite: some gradient overflowed (see the module doc).
-pub fn unscaled_norm(scaled_norm: f64, scale: f64) -> Option<f64> {
-    scaled_norm.is_finite().then(|| scaled_norm / scale)
 }
 
 /// What to do with a step whose gradients were checked.
@@ -267,13 +262,6 @@ mod tests {
             DynamicLossScaler::new(8.0, 0).unwrap_err(),
             ScalerError::Interval
         );
-    }
-
-    #[test]
-    fn a_non_finite_norm_is_an_overflow() {
-        assert_eq!(unscaled_norm(8.0, 4.0), Some(2.0));
-        assert_eq!(unscaled_norm(f64::INFINITY, 4.0), None);
-        assert_eq!(unscaled_norm(f64::NAN, 1.0), None);
     }
 
     #[test]

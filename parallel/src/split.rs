@@ -17,9 +17,11 @@ use std::time::{Duration, Instant};
 
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 
+use crate::device_value::sum_over;
 use crate::fsdp::{ZeroError, ZeroOptimizer, ZeroStage, run_sharded_forward, run_sharded_step};
 use crate::grad_sum::GradSumError;
 use crate::mesh::{Mesh, MeshError, PipelinePlan};
@@ -59,11 +61,15 @@ pub struct ModelSplit {
     pub sequence_partial: SequencePartial,
 }
 
-/// This rank's gradients of one step and what computing them measured.
+/// This rank's gradients of one step and what computing them measured; `B` is the backend the
+/// gradients live on (an autodiff backend's inner one).
 #[derive(Debug)]
-pub struct StepGradients {
+pub struct StepGradients<B: Backend> {
     /// Summed over the micro-batches (under ZeRO 3 already reduced to this rank's parts).
     pub grads: GradientsParams,
+    /// The summed reported loss of the micro-batches on the last pipeline stage (0 elsewhere),
+    /// on the device: see [`ModelSplit::world_loss`].
+    pub loss: Tensor<B, 1>,
     pub stats: StepStats,
     /// Time in ZeRO 3's gathers and reduce-scatters (zero otherwise).
     pub unit_comm: Duration,
@@ -101,7 +107,7 @@ impl ModelSplit {
         micro: &[C::Batch],
         zero: Option<&ZeroOptimizer<A::InnerBackend>>,
         device: &A::Device,
-    ) -> Result<StepGradients, SplitError>
+    ) -> Result<StepGradients<A::InnerBackend>, SplitError>
     where
         A: AutodiffBackend,
         C: PipelineChunk<A> + AutodiffModule<A>,
@@ -110,13 +116,13 @@ impl ModelSplit {
             let started = Instant::now();
             let step = run_sharded_step(zero, chunks, micro, self.tied.both())?;
             let stats = StepStats {
-                loss: step.loss,
                 busy: started.elapsed().saturating_sub(step.comm),
                 wall: started.elapsed(),
                 peak_activations: micro.len(),
             };
             return Ok(StepGradients {
                 grads: step.grads,
+                loss: step.loss,
                 stats,
                 unit_comm: step.comm,
             });
@@ -134,6 +140,7 @@ impl ModelSplit {
         (self.sequence_partial).sum::<A::InnerBackend>(&mut grads, &self.tensor)?;
         Ok(StepGradients {
             grads,
+            loss: result.loss,
             stats: result.stats,
             unit_comm: Duration::ZERO,
         })
@@ -142,14 +149,14 @@ impl ModelSplit {
     /// The summed loss of `batches` through the replica, forward only (evaluation), known on
     /// every rank of the pipeline: through the pipeline's stages, or under ZeRO 3 (`zero` of
     /// stage 3) through the gathered units, whose forward takes the batches on the autodiff
-    /// backend, as `lift` makes them (no gradient is taken).
+    /// backend, as `lift` makes them (no gradient is taken). The loss stays on the device.
     pub fn forward_loss<A, C>(
         &self,
         chunks: &[C],
         batches: Vec<<C::InnerModule as PipelineChunk<A::InnerBackend>>::Batch>,
         zero: Option<&ZeroOptimizer<A::InnerBackend>>,
         lift: impl Fn(<C::InnerModule as PipelineChunk<A::InnerBackend>>::Batch) -> C::Batch,
-    ) -> Result<f64, SplitError>
+    ) -> Result<Tensor<A::InnerBackend, 1>, SplitError>
     where
         A: AutodiffBackend,
         C: PipelineChunk<A> + AutodiffModule<A>,
@@ -170,17 +177,22 @@ impl ModelSplit {
                 run_forward(stages, rank, &self.pipe, &chunks, &batches, &device)?
             }
         };
-        Ok(self.pipe.sum_value(loss)?)
+        Ok(sum_over(&self.pipe, loss)?)
     }
 
     /// The sum over `world` of every replica's step loss `loss` (as the last pipeline stage
-    /// reports it), each replica counted once: its tensor-parallel ranks all computed it.
-    pub fn world_loss(&self, world: &ProcessGroup, loss: f64) -> Result<f64, CommError> {
+    /// reports it, 0 elsewhere), each replica counted once: its tensor-parallel ranks all
+    /// computed it. On the device; a collective, not a read.
+    pub fn world_loss<B: Backend>(
+        &self,
+        world: &ProcessGroup,
+        loss: Tensor<B, 1>,
+    ) -> Result<Tensor<B, 1>, CommError> {
         let counted = match self.tensor.rank() {
             0 => loss,
-            _ => 0.0,
+            _ => loss.zeros_like(),
         };
-        world.sum_value(counted)
+        sum_over(world, counted)
     }
 }
 

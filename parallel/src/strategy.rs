@@ -489,7 +489,8 @@ where
         let groups = UpdateGroups::from(&self.mesh);
         let module = match self.update.update(groups, module, grads, options) {
             Ok((module, stats)) => {
-                self.grad_norms.note(stats.grad_norm);
+                self.grad_norms
+                    .note((!stats.skipped).then_some(stats.grad_norm));
                 module
             }
             Err(error) => panic!("data-parallel optimizer step: {error}"),

@@ -23,16 +23,17 @@ use std::sync::{Mutex, MutexGuard};
 
 use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::clip::{grad_sum_of_squares_where, scale_grads, unscale_and_clip};
+use crate::device_value::{read_value, sum_over};
 use crate::dp::{self, FlatLayout, ReduceStats, SetParams};
 use crate::fsdp::{StateBytes, ZeroError, ZeroOptimizer, ZeroStage, unit_params};
 use crate::mesh::Mesh;
 use crate::pp::graphs_lock;
-use crate::precision::unscaled_norm;
 
 /// Why an update failed.
 #[derive(Debug, thiserror::Error)]
@@ -68,29 +69,19 @@ impl<'a> From<&'a Mesh> for UpdateGroups<'a> {
     }
 }
 
-/// What an update measured.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct UpdateStats {
-    /// The global norm of the (unscaled) gradients before clipping; `None` when some gradient
-    /// overflowed, and the update was skipped.
-    pub grad_norm: Option<f64>,
+/// What an update measured: `B` is the backend the gradients live on (an autodiff backend's
+/// inner one).
+#[derive(Debug, Clone)]
+pub struct UpdateStats<B: Backend> {
+    /// The global norm of the (unscaled) gradients before clipping, a one-element tensor on
+    /// the device (in its widest float; see [`crate::device_value`]): read it when the value is
+    /// needed. Not finite when some gradient was infinite or NaN.
+    pub grad_norm: Tensor<B, 1>,
+    /// Whether the update was skipped because some gradient overflowed. Only an update that
+    /// asks for it ([`StepOptions::skip_overflow`]) skips, and deciding it is its one blocking
+    /// read.
+    pub skipped: bool,
     pub reduce: ReduceStats,
-}
-
-impl UpdateStats {
-    fn applied(grad_norm: f64, reduce: ReduceStats) -> Self {
-        Self {
-            grad_norm: Some(grad_norm),
-            reduce,
-        }
-    }
-
-    fn skipped(reduce: ReduceStats) -> Self {
-        Self {
-            grad_norm: None,
-            reduce,
-        }
-    }
 }
 
 /// How gradients become a step: clipping bound, fp16 loss scale, and the parameters whose
@@ -100,8 +91,14 @@ pub struct StepOptions<'a> {
     pub lr: f64,
     /// Global-norm bound; 0 measures the norm without clipping.
     pub max_norm: f64,
-    /// The gradients are those of `loss_scale · L` (fp16's loss scaling; 1 otherwise).
+    /// The gradients are those of `loss_scale · L` (fp16's loss scaling, or a sum of several
+    /// ranks' means; 1 otherwise).
     pub loss_scale: f64,
+    /// Skip the step when some gradient overflowed (fp16's dynamic loss scaling). Deciding it
+    /// reads the norm back: one blocking read per step. Otherwise the step never waits for the
+    /// device, and a non-finite gradient goes into the update as it would in PyTorch; the norm
+    /// shows it when it is read.
+    pub skip_overflow: bool,
     /// Parameters left out of the norm: exact copies of a parameter another rank counts (a
     /// tied embedding's second copy, a parameter every tensor-parallel rank holds whole).
     pub counted_elsewhere: &'a [ParamId],
@@ -114,6 +111,7 @@ impl StepOptions<'_> {
             lr,
             max_norm,
             loss_scale: 1.0,
+            skip_overflow: false,
             counted_elsewhere: &[],
         }
     }
@@ -249,20 +247,22 @@ impl<A: AutodiffBackend, O> Update<A, O> {
 
     /// Reduces `grads` (this rank's, summed over its micro-batches; under ZeRO 3 already
     /// reduced to owned parts) over the data-parallel ranks, clips by the global norm, and
-    /// returns the updated model.
+    /// returns the updated model. Nothing is read back from the device, except under
+    /// [`StepOptions::skip_overflow`].
     ///
     /// Unscaling rides with the clipping: `g ← g · min(1, max_norm/‖g‖) / S` with
-    /// `‖g‖ = ‖S·g‖ / S`. When `‖S·g‖` is not finite, some gradient on some rank overflowed:
-    /// every rank sees the same sum of squares, so every rank returns the model unchanged
-    /// (`grad_norm: None`). A gradient left out of the sum (`counted_elsewhere`) is an exact
-    /// copy of one in it, so it cannot overflow alone.
+    /// `‖g‖ = ‖S·g‖ / S`, one factor computed on the device. When `‖S·g‖` is not finite, some
+    /// gradient on some rank overflowed: every rank sees the same sum of squares, so with
+    /// `skip_overflow` every rank returns the model unchanged (`skipped`). A gradient left out
+    /// of the sum (`counted_elsewhere`) is an exact copy of one in it, so it cannot overflow
+    /// alone.
     pub fn update<M>(
         &self,
         groups: UpdateGroups,
         model: M,
         grads: GradientsParams,
         options: StepOptions,
-    ) -> Result<(M, UpdateStats), UpdateError>
+    ) -> Result<(M, UpdateStats<A::InnerBackend>), UpdateError>
     where
         M: AutodiffModule<A>,
         O: Optimizer<M, A>,
@@ -271,6 +271,7 @@ impl<A: AutodiffBackend, O> Update<A, O> {
             lr,
             max_norm,
             loss_scale,
+            skip_overflow,
             counted_elsewhere,
         } = options;
         match self {
@@ -287,19 +288,19 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                 let whole = grad_sum_of_squares_where(&model, &grads, |id| {
                     counted(id) && !units.contains(&id)
                 });
-                let mut squares = groups.replica.sum_value(whole)?;
+                let mut squares = sum_over(groups.replica, whole)?;
                 if unit_rows.is_some() {
                     // Each rank holds its own rows of the units' gradients.
                     let rows = grad_sum_of_squares_where(&model, &grads, |id| {
                         counted(id) && units.contains(&id)
                     });
-                    squares += groups.world.sum_value(rows)?;
+                    squares = squares + sum_over(groups.world, rows)?;
                 }
-                let scaled_norm = squares.sqrt();
-                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
-                    return Ok((model, UpdateStats::skipped(reduce)));
-                };
-                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
+                let grad_norm = squares.sqrt() / loss_scale;
+                if skip_overflow && !read_value(grad_norm.clone()).is_finite() {
+                    return Ok((model, UpdateStats::skipped(grad_norm, reduce)));
+                }
+                if let Some(factor) = unscale_and_clip(grad_norm.clone(), max_norm, loss_scale) {
                     scale_grads(&model, &mut grads, factor);
                 }
                 let mut optimizer = lock(optimizer);
@@ -314,12 +315,12 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                     _ => zero.reduce(&model, grads)?,
                 };
                 let squares = zero.shard_sum_of_squares(&grads, counted_elsewhere);
-                let scaled_norm = groups.world.sum_value(squares)?.sqrt();
-                let Some(grad_norm) = unscaled_norm(scaled_norm, loss_scale) else {
-                    return Ok((model, UpdateStats::skipped(reduce)));
-                };
-                if let Some(factor) = unscale_and_clip(grad_norm, max_norm, loss_scale) {
-                    zero.scale_shards(&mut grads, factor);
+                let grad_norm = sum_over(groups.world, squares)?.sqrt() / loss_scale;
+                if skip_overflow && !read_value(grad_norm.clone()).is_finite() {
+                    return Ok((model, UpdateStats::skipped(grad_norm, reduce)));
+                }
+                if let Some(factor) = unscale_and_clip(grad_norm.clone(), max_norm, loss_scale) {
+                    zero.scale_shards(&mut grads, &factor);
                 }
                 let current = match zero.stage() {
                     ZeroStage::ShardParameters => Default::default(),
@@ -331,6 +332,24 @@ impl<A: AutodiffBackend, O> Update<A, O> {
                 let model = model.map(&mut SetParams(&updated));
                 Ok((model, UpdateStats::applied(grad_norm, reduce)))
             }
+        }
+    }
+}
+
+impl<B: Backend> UpdateStats<B> {
+    fn applied(grad_norm: Tensor<B, 1>, reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm,
+            skipped: false,
+            reduce,
+        }
+    }
+
+    fn skipped(grad_norm: Tensor<B, 1>, reduce: ReduceStats) -> Self {
+        Self {
+            grad_norm,
+            skipped: true,
+            reduce,
         }
     }
 }

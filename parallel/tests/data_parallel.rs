@@ -13,9 +13,10 @@ use burn::module::{AutodiffModule, Module, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
 use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_parallel::device_value::read_value;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
 use wildfire_parallel::learner_update::LearnerUpdate;
@@ -113,10 +114,9 @@ impl<B: Backend> PipelineChunk<B> for Unit<B> {
         }
     }
 
-    fn loss(&self, output: Tensor<B, 3>, batch: &Batch<B>) -> (Tensor<B, 1>, f64) {
+    fn loss(&self, output: Tensor<B, 3>, batch: &Batch<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
         let sum = (output - batch.t.clone()).square().sum();
-        let value = sum.clone().into_scalar().elem::<f64>();
-        (sum.mul_scalar(batch.scale), value)
+        (sum.clone().mul_scalar(batch.scale), sum)
     }
 }
 
@@ -309,7 +309,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
         };
         if step == STEPS - 1 {
             run.owned_grads = owned_parts(&zero, &grads);
-            let squares = zero.shard_sum_of_squares(&grads, &[]);
+            let squares = read_value(zero.shard_sum_of_squares(&grads, &[]));
             run.norm_squared = match stage {
                 ZeroStage::Replicated => squares,
                 _ => {
@@ -428,7 +428,7 @@ fn learner_update_run(group: ProcessGroup, through_learner: bool) -> Vec<(Vec<f3
     let update = Update::replicated(optimizer, FlatLayout::of_module(&model, 64));
     let (max_norm, loss_scale) = (0.5, 4.0);
     let mut learner = LearnerUpdate::new(update, UpdateGroups::from(&mesh), max_norm, vec![]);
-    learner.set_loss_scale(loss_scale);
+    learner.set_loss_scale(Some(loss_scale));
     let rows = rows_of(mesh.data().rank(), 2);
     (0..3)
         .map(|step| {
@@ -441,10 +441,13 @@ fn learner_update_run(group: ProcessGroup, through_learner: bool) -> Vec<(Vec<f3
             drop(_lock);
             let norm = if through_learner {
                 model = learner.step(LR, model.clone(), grads);
-                learner.take_stats().unwrap().grad_norm
+                let stats = learner.take_stats().unwrap();
+                assert!(!stats.skipped);
+                read_value(stats.grad_norm)
             } else {
                 let options = StepOptions {
                     loss_scale,
+                    skip_overflow: true,
                     ..StepOptions::new(LR, max_norm)
                 };
                 let groups = UpdateGroups::from(&mesh);
@@ -452,12 +455,13 @@ fn learner_update_run(group: ProcessGroup, through_learner: bool) -> Vec<(Vec<f3
                     .update(groups, model.clone(), grads, options)
                     .unwrap();
                 model = updated;
-                stats.grad_norm
+                assert!(!stats.skipped);
+                read_value(stats.grad_norm)
             };
             let mut by_id: Vec<_> = flat_values(&model).into_iter().collect();
             by_id.sort_by_key(|(id, _)| id.val());
             let values = by_id.into_iter().flat_map(|(_, v)| v).collect();
-            (values, norm.expect("a finite norm"))
+            (values, norm)
         })
         .collect()
 }

@@ -157,6 +157,10 @@ pub struct TrainArgs {
     /// or cuda:N / wgpu:N for a single process (sets run.device).
     #[arg(long, value_name = "cpu|wgpu|cuda[:N]")]
     pub device: Option<DeviceSpec>,
+    /// Print a table of the kernels of each of this many steps after the first (wgpu and cuda;
+    /// sets run.profile).
+    #[arg(long, value_name = "STEPS")]
+    pub profile: Option<u64>,
     /// Where the ranks run: `launch` (one process each, as `wildfire launch` starts them) or
     /// `local` (threads of this process) (sets parallel.transport).
     #[arg(long, value_enum)]
@@ -226,6 +230,7 @@ impl TrainArgs {
             self.matmul_precision.map(|p| quoted(&p.to_string())),
         );
         set("run.device", self.device.map(|d| quoted(&d.to_string())));
+        set("run.profile", self.profile.map(|n| n.to_string()));
         set(
             "parallel.transport",
             self.transport

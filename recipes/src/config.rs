@@ -169,8 +169,8 @@ pub struct TrainSection {
     #[serde(default)]
     pub activation_checkpointing: ActivationCheckpointing,
     /// Whether the model's fused ops (each with its fused backward: attention where it has no
-    /// dropout, the MLP's bias + GELU, LayerNorm and RMSNorm, the rotary embedding, SwiGLU) all
-    /// run fused (`true`) or all as decomposed ops (`false`: Megatron-LM's
+    /// dropout, the MLP's bias + GELU, LayerNorm and RMSNorm, the rotary embedding, SwiGLU) and
+    /// AdamW's one-pass step all run fused (`true`) or all as decomposed ops (`false`: Megatron-LM's
     /// `--no-masked-softmax-fusion` and `--no-bias-gelu-fusion`, Burn's own modules). Absent:
     /// each op as the device's defaults say, fused only where it was measured to win there
     /// (`wildfire_backend::kernels::choice::FusedOps::device_default`).
@@ -247,8 +247,17 @@ pub struct RunSection {
     /// continue on another device.
     #[serde(default)]
     pub device: DeviceSpec,
-    /// Print a progress line every this many steps (metrics files get every step).
+    /// Every this many steps the loop reads the steps' losses and gradient norms back from the
+    /// device (the steps themselves read nothing), writes them to the metrics files (every
+    /// step is there) and prints a progress line.
     pub log_every: u64,
+    /// Profile the kernels of this many steps after the first (0: none; wgpu and cuda only):
+    /// each step's table of kernels (CubeCL's profiling logger: name, time, launches, share),
+    /// its blocking reads, and the time outside its kernels, printed by rank 0. Profiling times
+    /// every kernel of the run (on CUDA by synchronising around each one), so a profiled run is
+    /// slower: profile short runs.
+    #[serde(default)]
+    pub profile: u64,
     /// Peak FLOP/s of one rank's device, for MFU. Absent: a known GPU's dense bf16 peak, or on
     /// cpu and wgpu the f32 matmul rate measured at start (shared by the ranks of one host).
     pub peak_flops: Option<f64>,

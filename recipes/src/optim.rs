@@ -16,8 +16,9 @@ use crate::model::GptChunks;
 
 /// AdamW that decays only tensors of rank ≥ 2 (weight matrices and embeddings), never biases or
 /// LayerNorm gains, as GPT-2 reproductions do. Both halves share Burn's AdamW update
-/// `θ ← θ(1 − η·λ) − η·m̂/(√v̂ + ε)`, run as one fused pass per parameter
-/// ([`FusedAdamW`], bit for bit Burn's); only λ differs.
+/// `θ ← θ(1 − η·λ) − η·m̂/(√v̂ + ε)`, run as one fused pass per parameter where `train.fused`
+/// says so ([`FusedAdamW`]: bit for bit Burn's on the CPU, one kernel on wgpu and CUDA); only λ
+/// differs.
 #[derive(Clone)]
 pub struct MatrixDecayAdamW {
     matrices: FusedAdamW,
@@ -25,13 +26,15 @@ pub struct MatrixDecayAdamW {
 }
 
 impl MatrixDecayAdamW {
-    pub fn new(train: &TrainSection) -> Self {
+    /// The config's AdamW, its step fused (`fused`) or Burn's.
+    pub fn new(train: &TrainSection, fused: bool) -> Self {
         let matrices = FusedAdamW::new(
             train.beta1 as f32,
             train.beta2 as f32,
             train.eps as f32,
             train.weight_decay as f32,
-        );
+        )
+        .with_fused(fused);
         Self {
             vectors: matrices.with_weight_decay(0.0),
             matrices,

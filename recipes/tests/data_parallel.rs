@@ -83,7 +83,9 @@ fn ddp_trains_like_serial_training_on_the_concatenated_batch() {
         let name = format!("ddp-{dp}");
         let run = dp_train(&name, accumulation, &["--dp", dp, "--transport", "local"]);
         assert_same_training(&serial, &run, &name, tolerance);
+        assert_step_reads(&run, 0, &name);
     }
+    assert_step_reads(&serial, 0, "serial");
 }
 
 /// ZeRO stages 1, 2 and 3 (and offload) train like DDP on 2 ranks, with 2 micro-batches per
@@ -125,6 +127,10 @@ fn every_zero_stage_trains_like_ddp() {
         let run = dp_train(&name, 2, &extra);
         let what = format!("{name} against {compared_with}");
         assert_same_training(&runs[compared_with], &run, &what, tolerance);
+        if !flags.contains(&"--offload-optimizer") {
+            // The loss and the norm stay on the device; offloading reads by design.
+            assert_step_reads(&run, 0, &what);
+        }
         assert_eq!(
             series(&run, "eval", "val_loss").len(),
             1,

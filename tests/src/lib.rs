@@ -222,7 +222,7 @@ pub mod training {
         ]
         .into_iter()
         .flat_map(|d| {
-            d.to_vec::<f32>()
+            wildfire_backend::host_data::host_values::<f32>(d)
                 .expect("f32")
                 .into_iter()
                 .map(f32::to_bits)

@@ -46,6 +46,7 @@ use crate::comm::{
     AllGather, AllReduce, Broadcast, CommError, DeviceOp, OpKind, ProcessGroup, ReduceOp,
     ReduceScatter, nccl_tensor, run_on_data, split_ranges,
 };
+use crate::decorator::reads::CollectiveRead;
 
 /// What a collective does to a tensor (or, going back, to its gradient) on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,6 +229,7 @@ fn on_host<B: Backend>(
 
 fn read<B: Backend>(tensor: FloatTensor<B>, op: OpKind) -> Result<TensorData, CommError> {
     let unreadable = |detail: String| CommError::TensorData { op, detail };
+    let _transfer = CollectiveRead::start();
     burn::tensor::try_read_sync(B::float_into_data(tensor))
         .ok_or_else(|| unreadable("this platform cannot read tensors synchronously".into()))?
         .map_err(|e| unreadable(format!("{e:?}")))

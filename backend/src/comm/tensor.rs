@@ -14,6 +14,7 @@ use super::error::CommError;
 use super::group::ProcessGroup;
 use super::mailbox::OpKind;
 use super::nccl_tensor;
+use crate::decorator::reads::CollectiveRead;
 use crate::host_data::host_values;
 
 /// A host collective, run for whichever element type the tensor holds.
@@ -104,6 +105,7 @@ where
 {
     let device = tensor.device();
     let dtype = tensor.dtype();
+    let _transfer = CollectiveRead::start();
     let data = tensor
         .try_into_data()
         .map_err(|e| tensor_error(O::OP, format!("{e:?}")))?;
@@ -293,6 +295,7 @@ impl ProcessGroup {
     where
         K::Elem: Element,
     {
+        let _transfer = CollectiveRead::start();
         let data = tensor
             .try_into_data()
             .map_err(|e| tensor_error(OpKind::Send, format!("{e:?}")))?;

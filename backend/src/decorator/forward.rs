@@ -39,7 +39,7 @@ impl<B: Backend> FloatTensorOps<Self> for Parallel<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        B::float_into_data(tensor)
+        super::overrides::float_into_data::<B>(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
         B::float_device(tensor)
@@ -531,7 +531,7 @@ impl<B: Backend> IntTensorOps<Self> for Parallel<B> {
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        B::int_into_data(tensor)
+        super::overrides::int_into_data::<B>(tensor)
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
         B::int_from_data(data, device)
@@ -959,7 +959,7 @@ impl<B: Backend> BoolTensorOps<Self> for Parallel<B> {
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        B::bool_into_data(tensor)
+        super::overrides::bool_into_data::<B>(tensor)
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
         B::bool_from_data(data, device)

@@ -12,6 +12,7 @@ mod convert;
 #[allow(clippy::too_many_arguments)] // the op signatures are Burn's
 mod forward;
 mod overrides;
+pub(crate) mod reads;
 
 use std::marker::PhantomData;
 

@@ -4,11 +4,12 @@
 //! backend `B`, with the op's own parameters. `scripts/gen-decorator.py` makes the op's impl in
 //! `forward.rs` call it instead of forwarding to `B`; run the generator again after adding one.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::backend::{Backend, ExecutionError};
+use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::Parallel;
+use super::reads::count_read;
 use crate::kernels::matmul::{self, matmul_precision, policy_matmul};
 use crate::kernels::route::on_flex;
 use crate::kernels::{self, add};
@@ -124,4 +125,29 @@ fn from_rows<B: Backend>(
         *last = width;
     }
     B::float_reshape(rows, shape)
+}
+
+/// Reading a float tensor to the host: the inner backend's read, counted as one blocking read
+/// of this thread ([`super::reads`]).
+pub(super) fn float_into_data<B: Backend>(
+    tensor: FloatTensor<Parallel<B>>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    count_read();
+    B::float_into_data(tensor)
+}
+
+/// Reading an int tensor to the host, counted as [`float_into_data`] is.
+pub(super) fn int_into_data<B: Backend>(
+    tensor: IntTensor<Parallel<B>>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    count_read();
+    B::int_into_data(tensor)
+}
+
+/// Reading a bool tensor to the host, counted as [`float_into_data`] is.
+pub(super) fn bool_into_data<B: Backend>(
+    tensor: BoolTensor<Parallel<B>>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    count_read();
+    B::bool_into_data(tensor)
 }

@@ -1,5 +1,5 @@
 //! Which of a model's fusable ops run as one fused op (with its fused backward) and which as
-//! Burn's decomposed ops, per op and per device.
+//! Burn's decomposed ops, per op and per device; and whether AdamW's step runs as one pass.
 //!
 //! A fused op is not faster everywhere: on one H200, wildfire's CubeCL attention ran forward and
 //! backward 14× slower than Burn's decomposed attention while its bias + GELU ran 3.4× faster
@@ -31,17 +31,20 @@ pub enum FusedOp {
     Rope,
     /// The gated MLP's `silu(g) ∘ u` ([`super::swiglu`]).
     Swiglu,
+    /// AdamW's step, one pass per parameter tensor ([`super::adamw`]).
+    Adamw,
 }
 
 impl FusedOp {
     /// Every op, in the order the log lists them.
-    pub const ALL: [FusedOp; 6] = [
+    pub const ALL: [FusedOp; 7] = [
         Self::Attention,
         Self::BiasGelu,
         Self::LayerNorm,
         Self::RmsNorm,
         Self::Rope,
         Self::Swiglu,
+        Self::Adamw,
     ];
 
     /// The op's name in configs and logs (`bias_gelu`, `rms_norm`, …).
@@ -53,6 +56,7 @@ impl FusedOp {
             Self::RmsNorm => "rms_norm",
             Self::Rope => "rope",
             Self::Swiglu => "swiglu",
+            Self::Adamw => "adamw",
         }
     }
 
@@ -106,8 +110,8 @@ impl FusedOps {
     ///   llama.md, kernels.md).
     /// - CUDA: bias + GELU only, the one kernel measured on a GPU to win (3.4× on an H200).
     ///   The attention kernel measured 14× slower there than Burn's decomposed attention, and the
-    ///   norm, RoPE and SwiGLU kernels have not run on a GPU: they stay off until a GPU run
-    ///   verifies them.
+    ///   norm, RoPE, SwiGLU and AdamW kernels have not run on a GPU: they stay off until a GPU
+    ///   run verifies them.
     pub fn device_default(kind: DeviceKind) -> Self {
         match kind {
             DeviceKind::Cpu | DeviceKind::Wgpu => Self::all(true),
@@ -182,7 +186,7 @@ mod tests {
         assert_eq!(
             cuda.to_string(),
             "attention decomposed, bias_gelu fused, layer_norm decomposed, rms_norm decomposed, \
-             rope decomposed, swiglu decomposed"
+             rope decomposed, swiglu decomposed, adamw decomposed"
         );
     }
 
@@ -211,7 +215,7 @@ mod tests {
         assert_eq!(
             error,
             "unknown fused op \"gelu\" (expected one of attention, bias_gelu, layer_norm, \
-             rms_norm, rope, swiglu)"
+             rms_norm, rope, swiglu, adamw)"
         );
     }
 }

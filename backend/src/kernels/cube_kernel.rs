@@ -48,6 +48,27 @@ pub(crate) trait CubeKernel<const N: usize, const M: usize>:
     fn launch<R: CubeRuntime>(&self, inputs: [CubeTensor<R>; N]) -> [CubeTensor<R>; M];
 }
 
+/// Why an elementwise kernel does not take `inputs` on `device`, if it does not: they must be of
+/// one shape and type, f32, f16 or bf16 on a device that has it ([`unsupported_float`]), not
+/// empty.
+pub(crate) fn unsupported_elementwise<R: CubeRuntime>(
+    inputs: &[TensorSpec],
+    device: &R::Device,
+) -> Result<(), String> {
+    let first = &inputs[0];
+    unsupported_float::<R>(first.dtype, device)?;
+    if let Some(other) = inputs.iter().find(|t| *t != first) {
+        return Err(format!(
+            "inputs {:?} {:?} and {:?} {:?}",
+            first.shape, first.dtype, other.shape, other.dtype
+        ));
+    }
+    if first.shape.num_elements() == 0 {
+        return Err("no elements".into());
+    }
+    Ok(())
+}
+
 /// Why a kernel does not compute in `dtype` on `device`, if it does not: a type other than
 /// f32, f16 and bf16 (the kernels' float types), or one the device has no arithmetic for.
 pub(crate) fn unsupported_float<R: CubeRuntime>(

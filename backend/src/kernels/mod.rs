@@ -2,7 +2,8 @@
 //! one module per op: its reference in Burn tensor ops, its routing and autodiff op in the
 //! module itself, its CubeCL kernels in `cube` and its native loops on Flex in `flex`.
 //!
-//! - [`adamw`]: AdamW's step as one pass, bit for bit Burn's (native on Flex).
+//! - [`adamw`]: AdamW's step as one pass: bit for bit Burn's natively on Flex, one CubeCL kernel
+//!   launch per tensor on wgpu and CUDA.
 //! - [`attention`]: FlashAttention-2's forward and backward: the reference, the autodiff op
 //!   that runs them, the CubeCL kernels ([`attention::cube`]) and Flex's tiled loops
 //!   ([`attention::flex`]).

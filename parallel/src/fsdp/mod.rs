@@ -41,12 +41,14 @@ use std::time::Instant;
 use burn::backend::Flex;
 use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{AdamWState, GradientsParams, SimpleOptimizer};
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
 use wildfire_backend::host_data::aligned;
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
+use crate::clip::scaled_by;
+use crate::device_value::fold_sum;
 use crate::dp::{self, FlatLayout, FlatTensors, ReduceStats};
 
 mod sharded_unit;
@@ -278,10 +280,12 @@ impl<B: Backend> ZeroOptimizer<B> {
     }
 
     /// `Σ ‖g‖²` over this rank's parts of the sharded gradients `grads`, leaving out the
-    /// parameters `skip`. Under stages 1–3, summed over the data-parallel ranks it is the full
-    /// gradient's (under stage 0 every rank owns everything: it is already the full one).
-    pub fn shard_sum_of_squares(&self, grads: &GradientsParams, skip: &[ParamId]) -> f64 {
-        let mut total = 0.0;
+    /// parameters `skip`, on the device: one term per owned slot, folded in bucket and slot
+    /// order in the device's widest float (see [`crate::clip`]). Under stages 1–3, summed over
+    /// the data-parallel ranks it is the full gradient's (under stage 0 every rank owns
+    /// everything: it is already the full one).
+    pub fn shard_sum_of_squares(&self, grads: &GradientsParams, skip: &[ParamId]) -> Tensor<B, 1> {
+        let mut terms = Vec::new();
         for (bucket, shard) in self.layout.buckets.iter().zip(&self.shards) {
             let Some(grad) = grads.get::<B, 1>(bucket.id) else {
                 continue;
@@ -295,23 +299,18 @@ impl<B: Backend> ZeroOptimizer<B> {
                     continue;
                 }
                 let local = owned.start - shard.range.start..owned.end - shard.range.start;
-                total += grad
-                    .clone()
-                    .slice(local)
-                    .square()
-                    .sum()
-                    .into_scalar()
-                    .elem::<f64>();
+                terms.push(grad.clone().slice(local).square().sum());
             }
         }
-        total
+        fold_sum(terms, &self.device)
     }
 
-    /// Multiplies every sharded gradient in `grads` by `factor` (clipping).
-    pub fn scale_shards(&self, grads: &mut GradientsParams, factor: f64) {
+    /// Multiplies every sharded gradient in `grads` by `factor`, a one-element tensor on the
+    /// device (clipping and unscaling).
+    pub fn scale_shards(&self, grads: &mut GradientsParams, factor: &Tensor<B, 1>) {
         for bucket in &self.layout.buckets {
             if let Some(grad) = grads.remove::<B, 1>(bucket.id) {
-                grads.register(bucket.id, grad.mul_scalar(factor));
+                grads.register(bucket.id, scaled_by(grad, factor));
             }
         }
     }

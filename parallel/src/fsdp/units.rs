@@ -36,6 +36,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Shape, Tensor};
 
 use super::{ZeroError, ZeroOptimizer, ZeroStage};
+use crate::device_value::fold_sum;
 use crate::dp::{self, FlatTensors};
 use crate::pp::{PipelineChunk, graphs_lock};
 
@@ -85,9 +86,10 @@ impl<A: AutodiffBackend> ModuleMapper<A> for Materialize<'_, A::InnerBackend> {
 
 /// What a stage-3 step produced.
 #[derive(Debug)]
-pub struct ShardedStep {
-    /// Sum of the micro-batches' reported losses.
-    pub loss: f64,
+pub struct ShardedStep<B: Backend> {
+    /// Sum of the micro-batches' reported losses, on the device (folded in micro-batch order
+    /// in its widest float; see [`crate::device_value`]).
+    pub loss: Tensor<B, 1>,
     /// The owned gradient part of every bucket, under the bucket's id (what
     /// [`ZeroOptimizer::step`] takes).
     pub grads: GradientsParams,
@@ -211,7 +213,7 @@ pub fn run_sharded_step<A, C>(
     units: &[C],
     batches: &[C::Batch],
     tied: Option<(ParamId, ParamId)>,
-) -> Result<ShardedStep, ZeroError>
+) -> Result<ShardedStep<A::InnerBackend>, ZeroError>
 where
     A: AutodiffBackend,
     C: PipelineChunk<A> + AutodiffModule<A>,
@@ -226,7 +228,7 @@ where
     let alias = Alias::find(tied, units)?;
     let shapes = zero.shapes();
     let last = units.len() - 1;
-    let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
+    let (mut comm, mut peak, mut losses) = (Duration::ZERO, 0, Vec::new());
     // inputs[k][mb]: unit k's input for micro-batch mb (none for the first unit).
     let mut inputs: Vec<Vec<Option<Tensor<A::InnerBackend, 3>>>> = vec![vec![None; batches.len()]];
     for unit in 0..last {
@@ -263,7 +265,7 @@ where
             let scalar = match output_grads[mb].take() {
                 None => {
                     let (scaled, value) = module.loss(output, batch);
-                    loss += value;
+                    losses.push(value.inner());
                     scaled
                 }
                 Some(g) => (output * Tensor::from_inner(g)).sum(),
@@ -304,7 +306,7 @@ where
         }
     }
     Ok(ShardedStep {
-        loss,
+        loss: fold_sum(losses, zero.device()),
         grads,
         comm,
         peak_gathered: peak,
@@ -312,20 +314,21 @@ where
 }
 
 /// The summed loss of `batches` through the stage-3 units, forward only (evaluation): each
-/// unit is gathered once for every batch. `tied` as in [`run_sharded_step`].
+/// unit is gathered once for every batch. `tied` as in [`run_sharded_step`]. The loss stays on
+/// the device.
 pub fn run_sharded_forward<A, C>(
     zero: &ZeroOptimizer<A::InnerBackend>,
     units: &[C],
     batches: &[C::Batch],
     tied: Option<(ParamId, ParamId)>,
-) -> Result<f64, ZeroError>
+) -> Result<Tensor<A::InnerBackend, 1>, ZeroError>
 where
     A: AutodiffBackend,
     C: PipelineChunk<A> + AutodiffModule<A>,
 {
     let alias = Alias::find(tied, units)?;
     let shapes = zero.shapes();
-    let (mut comm, mut peak, mut loss) = (Duration::ZERO, 0, 0.0);
+    let (mut comm, mut peak, mut losses) = (Duration::ZERO, 0, Vec::new());
     let mut xs: Vec<Option<Tensor<A::InnerBackend, 3>>> = vec![None; batches.len()];
     for unit in 0..units.len() {
         let values = zero.gather_values(unit, alias, &mut comm, &mut peak)?;
@@ -334,13 +337,13 @@ where
         for (x, batch) in xs.iter_mut().zip(batches) {
             let output = module.forward(x.take().map(Tensor::from_inner), batch);
             if unit + 1 == units.len() {
-                loss += module.loss(output, batch).1;
+                losses.push(module.loss(output, batch).1.inner());
             } else {
                 *x = Some(output.inner());
             }
         }
     }
-    Ok(loss)
+    Ok(fold_sum(losses, zero.device()))
 }
 
 impl<B: Backend> ZeroOptimizer<B> {

@@ -49,6 +49,7 @@ use burn::tensor::{Float, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 
 use super::schedule::{Action, Schedule};
+use crate::device_value::fold_sum;
 
 /// Serialises autodiff graph building and backward passes within a process (see the module
 /// doc). Anything else that registers autodiff nodes while ranks run as threads (a parameter
@@ -70,8 +71,9 @@ pub trait PipelineChunk<B: Backend> {
     fn forward(&self, input: Option<Tensor<B, 3>>, batch: &Self::Batch) -> Tensor<B, 3>;
 
     /// On the last stage: the micro-batch's loss, as the scalar to backpropagate and as the
-    /// value to report.
-    fn loss(&self, output: Tensor<B, 3>, batch: &Self::Batch) -> (Tensor<B, 1>, f64);
+    /// value to report, both one-element tensors. The reported value stays on the device: the
+    /// executor sums it over the micro-batches there, and the caller reads the sum when it logs.
+    fn loss(&self, output: Tensor<B, 3>, batch: &Self::Batch) -> (Tensor<B, 1>, Tensor<B, 1>);
 
     /// How many checkpoint segments the chunk's forward is cut into when it is checkpointed
     /// (see [`PipelineChunk::checkpointed`]), e.g. one per transformer block; at least 1.
@@ -134,8 +136,6 @@ pub enum PipelineError {
 /// What one rank measured during a step.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepStats {
-    /// Sum of the reported micro-batch losses (last stage only; 0 elsewhere).
-    pub loss: f64,
     /// Time spent in forwards and backwards.
     pub busy: Duration,
     /// Time of the whole step: from this rank's start until every rank is done.
@@ -157,10 +157,14 @@ impl StepStats {
     }
 }
 
-/// The result of a rank's step: each chunk's summed parameter gradients, and the measurements.
+/// The result of a rank's step: each chunk's summed parameter gradients, the summed loss, and
+/// the measurements.
 #[derive(Debug)]
-pub struct StepResult {
+pub struct StepResult<B: Backend> {
     pub grads: Vec<GradientsParams>,
+    /// The sum of the reported micro-batch losses on the last stage (0 elsewhere), on the
+    /// device, folded in micro-batch order in its widest float ([`crate::device_value`]).
+    pub loss: Tensor<B, 1>,
     pub stats: StepStats,
 }
 
@@ -237,6 +241,8 @@ struct RankRun<'a, B: AutodiffBackend, C: PipelineChunk<B> + AutodiffModule<B>> 
     outbox: HashMap<(bool, usize, usize), Tensor<B::InnerBackend, 3>>,
     saved: HashMap<(usize, usize), Saved<B, C>>,
     accumulators: Vec<GradientsAccumulator<C>>,
+    /// The reported losses of the micro-batches so far (last stage).
+    losses: Vec<Tensor<B::InnerBackend, 1>>,
     stats: StepStats,
 }
 
@@ -249,7 +255,7 @@ pub fn run_step<B, C>(
     chunks: &[C],
     batches: &[C::Batch],
     device: &B::Device,
-) -> Result<StepResult, PipelineError>
+) -> Result<StepResult<B::InnerBackend>, PipelineError>
 where
     B: AutodiffBackend,
     C: PipelineChunk<B> + AutodiffModule<B>,
@@ -276,6 +282,7 @@ where
         outbox: HashMap::new(),
         saved: HashMap::new(),
         accumulators: chunks.iter().map(|_| GradientsAccumulator::new()).collect(),
+        losses: Vec::new(),
         stats: StepStats::default(),
     };
     for (index, action) in schedule.actions[rank].iter().enumerate() {
@@ -288,8 +295,10 @@ where
         source: Box::new(source),
     })?;
     run.stats.wall = started.elapsed();
+    let inner_device = crate::update::inner_device_of::<B>(device);
     Ok(StepResult {
         grads: run.accumulators.iter_mut().map(|a| a.grads()).collect(),
+        loss: fold_sum(run.losses, &inner_device),
         stats: run.stats,
     })
 }
@@ -418,7 +427,7 @@ where
         let output = module.forward(input.clone(), &self.batches[mb]);
         let output = if stage == self.last_stage() {
             let (loss, value) = module.loss(output, &self.batches[mb]);
-            self.stats.loss += value;
+            self.losses.push(value.inner());
             Output::Loss(loss)
         } else {
             self.hand_on(mb, chunk, output.clone().inner());
@@ -452,7 +461,8 @@ where
         }
         let output = x.expect("at least one segment");
         if stage == self.last_stage() {
-            self.stats.loss += module.loss(Tensor::from_inner(output), batch).1;
+            let value = module.loss(Tensor::from_inner(output), batch).1;
+            self.losses.push(value.inner());
         } else {
             self.hand_on(mb, chunk, output);
         }
@@ -564,8 +574,8 @@ fn backpropagate<B: AutodiffBackend, C: AutodiffModule<B>>(
 }
 
 /// The summed loss of `batches` through the pipeline, forward only (evaluation): micro-batch
-/// after micro-batch, stage after stage, each rank running the stages it holds. The loss is
-/// known on the last stage's rank (0 elsewhere).
+/// after micro-batch, stage after stage, each rank running the stages it holds. The loss, on
+/// the device, is known on the last stage's rank (0 elsewhere).
 pub fn run_forward<B, C>(
     pp: usize,
     rank: usize,
@@ -573,13 +583,13 @@ pub fn run_forward<B, C>(
     chunks: &[C],
     batches: &[C::Batch],
     device: &B::Device,
-) -> Result<f64, PipelineError>
+) -> Result<Tensor<B, 1>, PipelineError>
 where
     B: Backend,
     C: PipelineChunk<B>,
 {
     let stages = pp * chunks.len();
-    let mut loss = 0.0;
+    let mut losses = Vec::new();
     for (mb, batch) in batches.iter().enumerate() {
         let mut x = None;
         for stage in (rank..stages).step_by(pp) {
@@ -600,7 +610,7 @@ where
             }
             let y = chunks[chunk].forward(x.take(), batch);
             if stage + 1 == stages {
-                loss += chunks[chunk].loss(y, batch).1;
+                losses.push(chunks[chunk].loss(y, batch).1);
             } else if pp > 1 {
                 group
                     .send(y, (stage + 1) % pp, tag(false, stage + 1, mb))
@@ -610,7 +620,7 @@ where
             }
         }
     }
-    Ok(loss)
+    Ok(fold_sum(losses, device))
 }
 
 #[cfg(test)]
@@ -639,10 +649,9 @@ mod tests {
             self.linear.forward(input.unwrap_or_else(|| batch.clone()))
         }
 
-        fn loss(&self, output: Tensor<B, 3>, _: &Tensor<B, 3>) -> (Tensor<B, 1>, f64) {
+        fn loss(&self, output: Tensor<B, 3>, _: &Tensor<B, 3>) -> (Tensor<B, 1>, Tensor<B, 1>) {
             let loss = output.powi_scalar(2).sum();
-            let value = loss.clone().into_scalar() as f64;
-            (loss, value)
+            (loss.clone(), loss)
         }
     }
 

@@ -8,6 +8,7 @@ use std::ops::Range;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use wildfire_backend::comm::split_ranges;
+use wildfire_backend::host_data::aligned;
 
 /// How one layer (or one parameter) of a model is split over the `p` ranks of a
 /// tensor-parallel group.
@@ -432,8 +433,8 @@ pub(crate) fn section_parts(
 /// weight must be a leaf (on an autodiff backend a slice is not), and must not keep the whole
 /// weight's storage alive (a slice can be a view of it).
 pub(crate) fn owned<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    let device = t.device();
-    Tensor::from_data(t.into_data(), &device)
+    let (device, dtype) = (t.device(), t.dtype());
+    Tensor::from_data(aligned(t.into_data()), (&device, dtype))
 }
 
 /// What rank `rank` of `size` holds of `full` along `dim` cut into `sections` equal sections

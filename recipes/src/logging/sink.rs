@@ -29,6 +29,11 @@ pub struct StepRecord {
     /// 1/2 update is not counted), plus its tensor-parallel collectives (those inside the
     /// forwards and backwards, and the sequence-parallel gradient sums).
     pub comm_ms: f64,
+    /// Blocking reads of device values rank 0's thread made during the step
+    /// (`wildfire_backend::blocking_reads`: collectives' transfers and the reads of the log
+    /// interval not counted): 0 when the device can run ahead of the host, 1 under fp16 (the
+    /// overflow check).
+    pub host_reads: u64,
     /// fp16's loss scaling, in fp16 runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<LossScaleRecord>,

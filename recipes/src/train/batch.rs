@@ -106,7 +106,7 @@ impl<B: DecoratedBackend> InferenceStep for GptChunks<B> {
 
 /// A GPT stage in the pipeline: the first stage embeds the batch's inputs, the last applies the
 /// head and scores the targets. The loss to backpropagate is `loss_scale · Σ token losses`, the
-/// value reported is `Σ token losses`.
+/// value reported is `Σ token losses` (on the device; the loop reads it when it logs).
 impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
     type Batch = TokenBatch<B>;
 
@@ -138,10 +138,9 @@ impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
         self.recompute_blocks
     }
 
-    fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, f64) {
+    fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
         let loss_sum = self.loss_sum(self.logits(output), batch.targets.clone());
-        let value = loss_sum.clone().into_scalar().elem::<f64>();
-        (loss_sum * batch.loss_scale, value)
+        (loss_sum.clone() * batch.loss_scale, loss_sum)
     }
 }
 

@@ -12,7 +12,9 @@
 //!     the Learner's optimizer step (`wildfire_parallel::learner_update`): reduce the gradients
 //!         over the data-parallel ranks (DDP or ZeRO); clip by the global norm (over every
 //!         rank); AdamW step at lr(s)
-//!     log loss, lr, grad norm, tokens/s, MFU (and the pipeline's bubble)
+//!     every log_every steps: read the steps' losses and norms back (the steps themselves
+//!         read nothing from the device) and log loss, lr, grad norm, tokens/s, MFU (and the
+//!         pipeline's bubble)
 //!     every eval_every steps: validation loss; every checkpoint.every steps: checkpoint
 //! ```
 //!
@@ -23,6 +25,7 @@
 //! two copies (first and last stage) get the sum of their gradients.
 
 mod batch;
+mod interval;
 mod setup;
 mod update;
 
@@ -33,7 +36,7 @@ pub use update::{counted_elsewhere, zero_layout};
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::data::dataloader::Progress;
 use burn::module::Module;
@@ -57,7 +60,12 @@ use crate::data::{Sampler, SplitMix64};
 use crate::logging::{LossScaleRecord, MetricsSink, StepOutput, StepRecord};
 use crate::model::GptChunks;
 use crate::optim::WarmupCosine;
+use wildfire_backend::blocking_reads;
+use wildfire_backend::profile::next_table;
+use wildfire_parallel::device_value::read_value;
 use wildfire_parallel::update::lock;
+
+use interval::{Interval, LoggedStep, PendingStep};
 
 /// burn-train's components for the GPT recipe on backend `B`: the model is the chunks one rank
 /// holds.
@@ -71,6 +79,12 @@ pub struct LoopSettings {
     pub max_steps: u64,
     pub grad_accum: usize,
     pub eval_every: u64,
+    /// Steps per log interval: the loop reads the steps' losses and norms back this often.
+    pub log_every: u64,
+    /// Steps whose kernels are profiled, after the first (`run.profile`), and the file
+    /// CubeCL's profiling logger writes (see `wildfire_backend::profile`).
+    pub profile_steps: u64,
+    pub profile_file: Option<PathBuf>,
     pub checkpoint_every: u64,
     pub keep_last: usize,
     /// Periodic checkpoints are written in the background (see `checkpoint::BackgroundWriter`).
@@ -119,9 +133,16 @@ pub struct StepLoop<B: TrainBackend> {
     pub error: Mutex<Option<anyhow::Error>>,
     /// Per-step mean losses, for the caller.
     pub losses: Mutex<Vec<f64>>,
+    /// The steps trained since the last log (see [`interval`]).
+    pub interval: Mutex<Interval<B::InnerBackend>>,
+    /// How far rank 0 has read the kernel profile (under `run.profile`).
+    pub profile_offset: Mutex<usize>,
 }
 
 const MIB: f64 = (1 << 20) as f64;
+
+/// How long rank 0 waits for CubeCL's logging thread to write a step's table of kernels.
+const PROFILE_WAIT: Duration = Duration::from_secs(60);
 
 /// Model FLOPs utilisation: the job's model FLOP/s (`flops_per_token` × the job's tokens/s)
 /// over what its `ranks` devices of `peak` FLOP/s each can do.
@@ -143,14 +164,16 @@ impl<B: TrainBackend> std::fmt::Debug for StepLoop<B> {
 }
 
 impl<B: TrainBackend> StepLoop<B> {
-    /// One optimizer step (all its micro-batches); returns the numbers it logs.
+    /// One optimizer step (all its micro-batches); returns the numbers it logs, the loss and
+    /// the gradient norm still on the device. Under fp16 the update reads the norm back to
+    /// decide whether to skip the step; otherwise nothing is read.
     fn step(
         &self,
         learner: &mut Learner<GptComponents<B>>,
         batches: &mut dyn Iterator<Item = TokenBatch<B>>,
         step: u64,
-    ) -> anyhow::Result<(StepOutput, Option<PipelineReport>)> {
-        let started = Instant::now();
+    ) -> anyhow::Result<PendingStep<B::InnerBackend>> {
+        let reads = blocking_reads();
         let model = learner.model();
         let device = model.devices()[0].clone();
         B::seed(&device, step_seed(self.settings.seed, step));
@@ -172,47 +195,96 @@ impl<B: TrainBackend> StepLoop<B> {
         // The tensor-parallel collectives inside the forwards and backwards (and the
         // sequence-parallel gradient sums).
         let tensor_comm = split.tensor.comm_time().saturating_sub(tensor_comm);
-        self.optimizer.set_loss_scale(loss_scale);
+        self.optimizer
+            .set_loss_scale(self.scaler.as_ref().map(|_| loss_scale));
         learner.optimizer_step(passes.grads);
         let update = self.optimizer.take_stats()?;
-        if update.grad_norm.is_none() && self.scaler.is_none() {
-            bail!(
-                "the gradient norm is not finite (an infinite or NaN gradient on some rank); \
-                 without fp16's loss scale there is nothing to lower, so training stops here \
-                 (this step was not applied; the checkpoints written so far are intact)"
-            );
-        }
         let loss_scale = self.scaler.as_ref().map(|scaler| {
             let mut scaler = lock(scaler);
-            let skipped = scaler.update(update.grad_norm.is_none()) == StepDecision::Skip;
+            let skipped = scaler.update(update.skipped) == StepDecision::Skip;
             LossScaleRecord {
                 scale: loss_scale,
                 skipped,
                 skipped_steps: scaler.skipped_steps(),
             }
         });
-        let loss_sum = split.world_loss(&self.rank.world, passes.stats.loss)?;
+        let loss_sum = split.world_loss(&self.rank.world, passes.loss)?;
         let pipeline = PipelineReport::gather(&passes.stats, &split.pipe, &split.plan)?;
-        let seconds = started.elapsed().as_secs_f64();
-        let tokens_per_sec = tokens as f64 / seconds;
         let output = StepOutput {
-            loss_sum,
             tokens,
-            step_loss: Some(loss_sum / tokens as f64),
-            grad_norm: Some(update.grad_norm.unwrap_or(f64::INFINITY)),
-            tokens_per_sec: Some(tokens_per_sec),
-            mfu: (self.settings.peak_flops).map(|peak| {
-                let ranks = self.rank.world.size();
-                mfu(self.settings.flops_per_token, tokens_per_sec, ranks, peak)
-            }),
             bubble: pipeline.as_ref().map(PipelineReport::worst_bubble),
             comm_ms: Some(
                 1e3 * (update.reduce.comm + passes.unit_comm + tensor_comm).as_secs_f64(),
             ),
             loss_scale,
             activation_peak_mib,
+            ..Default::default()
         };
-        Ok((output, pipeline))
+        Ok(PendingStep {
+            step,
+            lr: learner.lr_current(),
+            loss_sum,
+            grad_norm: update.grad_norm,
+            skipped: update.skipped,
+            output,
+            pipeline,
+            host_reads: blocking_reads() - reads,
+        })
+    }
+
+    /// Closes the log interval (one blocking read; see [`interval`]) and logs its steps: the
+    /// metric files, burn-train's events, the losses for the caller. Returns whether the metric
+    /// files took them. A gradient norm that is not finite without fp16's loss scale stops the
+    /// run here, before any later checkpoint could save the damage.
+    fn log_interval(
+        &self,
+        events: &mut SupervisedTrainingEventProcessor<GptComponents<B>>,
+    ) -> anyhow::Result<bool> {
+        let settings = &self.settings;
+        let ranks = self.rank.world.size();
+        let steps = lock(&self.interval).close(|tokens_per_sec| {
+            let peak = settings.peak_flops?;
+            Some(mfu(settings.flops_per_token, tokens_per_sec, ranks, peak))
+        });
+        let mut logged = true;
+        for LoggedStep {
+            step,
+            lr,
+            output,
+            pipeline,
+            host_reads,
+        } in steps
+        {
+            let grad_norm = output.grad_norm.unwrap_or(f64::NAN);
+            let tokens_per_sec = output.tokens_per_sec.unwrap_or(f64::NAN);
+            let record = StepRecord {
+                step,
+                loss: output.step_loss.unwrap_or(f64::NAN),
+                lr,
+                grad_norm,
+                tokens_per_sec,
+                mfu: output.mfu,
+                step_time_ms: 1e3 * output.tokens as f64 / tokens_per_sec,
+                comm_ms: output.comm_ms.unwrap_or_default(),
+                host_reads,
+                loss_scale: output.loss_scale,
+                activation_peak_mib: output.activation_peak_mib,
+                pipeline,
+            };
+            lock(&self.losses).push(record.loss);
+            logged &= self.to_sink(|sink| sink.log_step(&record));
+            let item = item(output, step, settings.max_steps, Some(lr));
+            events.process_train(LearnerEvent::ProcessedItem(item));
+            if !grad_norm.is_finite() && self.scaler.is_none() {
+                bail!(
+                    "the gradient norm of step {step} is {grad_norm} (an infinite or NaN \
+                     gradient on some rank); without fp16's loss scale there is nothing to \
+                     lower, so training stops here (the checkpoints written so far are intact; \
+                     a run that stops sooner logs more often: run.log_every)"
+                );
+            }
+        }
+        Ok(logged)
     }
 
     /// Mean validation loss per token over the evaluation batches (forward through the
@@ -228,6 +300,7 @@ impl<B: TrainBackend> StepLoop<B> {
         let zero = self.optimizer.update().zero();
         let loss_sum =
             (self.rank.split).forward_loss(&model.chunks, batches, zero.as_deref(), on_autodiff)?;
+        let loss_sum = read_value(loss_sum);
         Ok(StepOutput {
             loss_sum,
             tokens,
@@ -326,6 +399,8 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
     ) {
         let mut events = components.event_processor;
         let mut batches = train.iter();
+        // The first interval's time starts with its first step.
+        lock(&self.interval).restart();
         for step in self.settings.start_step..self.settings.max_steps {
             let stopped = self
                 .train_and_log(&mut learner, &mut *batches, &mut events, step)
@@ -346,13 +421,17 @@ impl<B: TrainBackend> SupervisedLearningStrategy<GptComponents<B>> for StepLoop<
         if let Some(error) = lock(&self.writer).wait_alone() {
             self.record_error(error.into());
         }
+        // Steps trained before an error are logged all the same.
+        if let Err(error) = self.log_interval(&mut events) {
+            self.record_error(error);
+        }
         (learner.model(), events)
     }
 }
 
 impl<B: TrainBackend> StepLoop<B> {
-    /// Trains step `step` and logs it (metric files, burn-train's events); returns whether the
-    /// metric files took it.
+    /// Trains step `step`, and logs the interval it ends (metric files, burn-train's events)
+    /// every `log_every` steps; returns whether the metric files took what was logged.
     fn train_and_log(
         &self,
         learner: &mut Learner<GptComponents<B>>,
@@ -360,28 +439,56 @@ impl<B: TrainBackend> StepLoop<B> {
         events: &mut SupervisedTrainingEventProcessor<GptComponents<B>>,
         step: u64,
     ) -> anyhow::Result<bool> {
-        let (output, pipeline) = (self.step(learner, batches, step))
+        let started = Instant::now();
+        let pending = (self.step(learner, batches, step))
             .map_err(|error| error.context(format!("step {step}")))?;
-        let lr = learner.lr_current();
-        let record = StepRecord {
-            step,
-            loss: output.step_loss.unwrap_or(f64::NAN),
-            lr,
-            grad_norm: output.grad_norm.unwrap_or(f64::NAN),
-            tokens_per_sec: output.tokens_per_sec.unwrap_or(f64::NAN),
-            mfu: output.mfu,
-            step_time_ms: 1e3 * output.tokens as f64 / output.tokens_per_sec.unwrap_or(f64::NAN),
-            comm_ms: output.comm_ms.unwrap_or_default(),
-            loss_scale: output.loss_scale,
-            activation_peak_mib: output.activation_peak_mib,
-            pipeline,
+        let reads = pending.host_reads;
+        lock(&self.interval).push(pending);
+        self.profile_step(&learner.model().devices()[0], step, started, reads)
+            .map_err(|error| error.context(format!("profiling step {step}")))?;
+        match (step + 1).is_multiple_of(self.settings.log_every.max(1)) {
+            true => self.log_interval(events),
+            false => Ok(true),
+        }
+    }
+
+    /// Under `run.profile`, on rank 0: syncs the device after the first step (whose table,
+    /// which holds compilation and tuning, is dropped) and after each of the next
+    /// `run.profile` steps, and prints each of those steps' table of kernels (see
+    /// `wildfire_backend::profile`) with its wall time, the time outside its kernels and its
+    /// blocking reads (`reads`). With ranks as threads the table holds every rank's kernels.
+    fn profile_step(
+        &self,
+        device: &B::Device,
+        step: u64,
+        started: Instant,
+        reads: u64,
+    ) -> anyhow::Result<()> {
+        let settings = &self.settings;
+        let Some(file) = &settings.profile_file else {
+            return Ok(());
         };
-        lock(&self.losses).push(record.loss);
-        let logged = self.to_sink(|sink| sink.log_step(&record));
-        let max_steps = self.settings.max_steps;
-        let item = item(output, step, max_steps, Some(lr));
-        events.process_train(LearnerEvent::ProcessedItem(item));
-        Ok(logged)
+        let first = settings.start_step;
+        if self.rank.world.rank() != 0 || step > first + settings.profile_steps {
+            return Ok(());
+        }
+        B::sync(device).map_err(|e| anyhow::anyhow!("syncing the device: {e:?}"))?;
+        let wall = started.elapsed();
+        let mut offset = lock(&self.profile_offset);
+        let (table, next) = next_table(file, *offset, PROFILE_WAIT).map_err(anyhow::Error::msg)?;
+        *offset = next;
+        if step > first {
+            let ms = |d: Duration| 1e3 * d.as_secs_f64();
+            println!(
+                "profile of step {step}: {:.2} ms wall, {:.2} ms in kernels, {:.2} ms outside \
+                 them; {reads} blocking reads\n{}",
+                ms(wall),
+                ms(table.total),
+                ms(wall.saturating_sub(table.total)),
+                table.text.trim_end()
+            );
+        }
+        Ok(())
     }
 
     /// Whether every rank stops now: a stop request or a failed metrics write on any rank stops
@@ -403,7 +510,17 @@ impl<B: TrainBackend> StepLoop<B> {
     ) -> anyhow::Result<()> {
         let settings = &self.settings;
         let last = done == settings.max_steps;
-        if settings.eval_every > 0 && (done.is_multiple_of(settings.eval_every) || last) {
+        let evaluates =
+            settings.eval_every > 0 && (done.is_multiple_of(settings.eval_every) || last);
+        let periodic =
+            settings.checkpoint_every > 0 && done.is_multiple_of(settings.checkpoint_every);
+        let checkpoints = periodic || last || stop;
+        if !(evaluates || checkpoints) {
+            return Ok(());
+        }
+        // What is evaluated or saved was trained by steps that are all logged (and checked).
+        self.log_interval(events)?;
+        if evaluates {
             let eval = (self.evaluate(&learner.model(), valid))
                 .map_err(|error| error.context(format!("evaluation after step {}", done - 1)))?;
             let val_loss = eval.step_loss.unwrap_or(f64::NAN);
@@ -411,11 +528,10 @@ impl<B: TrainBackend> StepLoop<B> {
             let item = item(eval, done, settings.max_steps, None);
             events.process_valid(LearnerEvent::ProcessedItem(item));
         }
-        let periodic =
-            settings.checkpoint_every > 0 && done.is_multiple_of(settings.checkpoint_every);
-        if periodic || last || stop {
+        if checkpoints {
             self.checkpoint(&learner.model(), done, last || stop)?;
         }
+        lock(&self.interval).restart();
         Ok(())
     }
 }

@@ -21,6 +21,7 @@ use wildfire_backend::comm::{CommOptions, LaunchEnv, LaunchFlags, ProcessGroup, 
 use wildfire_backend::device::{DeviceKind, measure_matmul_flops};
 use wildfire_backend::kernels::matmul::{MatmulPrecision, set_matmul_precision};
 use wildfire_backend::kernels::route::describe_kernel_paths;
+use wildfire_backend::profile::profile_kernels_into;
 use wildfire_parallel::dp::FlatLayout;
 use wildfire_parallel::fsdp::{Placeholders, ZeroStage};
 use wildfire_parallel::mesh::{Mesh, ParallelDims, PipelinePlan};
@@ -52,6 +53,7 @@ use crate::model::{
     whole_model_rules,
 };
 use crate::optim::{MatrixDecayAdamW, WarmupCosine};
+use wildfire_backend::kernels::choice::FusedOp;
 use wildfire_parallel::tp::{SequencePartial, TpPlan, apply_plan};
 
 /// What a finished (or stopped) run reports to its caller.
@@ -332,6 +334,7 @@ pub fn run_on_device(config: RunConfig, start: Start) -> anyhow::Result<TrainOut
 /// `train.activation_checkpointing = selective`.
 pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<TrainOutcome> {
     let options = CommOptions::from_env()?;
+    profile_kernels::<B>(&config)?;
     match config.parallel.transport {
         Transport::Launch => {
             let launched = LaunchEnv::detect(&LaunchFlags::default())?;
@@ -383,6 +386,29 @@ pub fn run<B: TrainBackend>(config: RunConfig, start: Start) -> anyhow::Result<T
             first_outcome(ranks.into_iter().map(|rank| rank.join()))
         }
     }
+}
+
+/// Under `run.profile`: CubeCL's kernel profiling on for this process, into
+/// [`kernel_profile_file`], before any device starts. Refused on the CPU, which runs no CubeCL
+/// kernels.
+fn profile_kernels<B: TrainBackend>(config: &RunConfig) -> anyhow::Result<()> {
+    if config.run.profile == 0 {
+        return Ok(());
+    }
+    if B::KIND == DeviceKind::Cpu {
+        bail!(
+            "run.profile = {} profiles CubeCL's kernels, which the cpu device does not run: \
+             profile on --device wgpu or cuda",
+            config.run.profile
+        );
+    }
+    profile_kernels_into(&kernel_profile_file()).map_err(anyhow::Error::msg)
+}
+
+/// Where this process's kernel profile goes: a file of the system's temporary folder, named
+/// after the process.
+fn kernel_profile_file() -> PathBuf {
+    std::env::temp_dir().join(format!("wildfire-kernels-{}.log", std::process::id()))
 }
 
 /// Where a rank sits on its host: what picks its device (see `DeviceSpec::ordinal`) and how
@@ -498,6 +524,8 @@ fn run_rank<B: TrainBackend>(
         rank,
         error: Mutex::new(None),
         losses: Mutex::new(Vec::new()),
+        interval: Default::default(),
+        profile_offset: Mutex::new(0),
     });
     if mesh.world().rank() == 0 {
         describe_run(&config, &data, &strategy.rank.split.plan, dims, &progress);
@@ -809,7 +837,8 @@ fn build_optimizers<B: TrainBackend>(
     device: &B::Device,
 ) -> anyhow::Result<(GptChunks<B>, Optimizers<B>)> {
     let stage = mesh.dims().zero;
-    let adamw = MatrixDecayAdamW::new(&config.train);
+    let fused = config.train.fused_ops(B::KIND).is_fused(FusedOp::Adamw);
+    let adamw = MatrixDecayAdamW::new(&config.train, fused);
     if stage == ZeroStage::Replicated {
         let mut optimizer = OptimizerAdaptor::from(adamw);
         if let Some(loaded) = resumed {
@@ -873,6 +902,9 @@ fn loop_settings(
         max_steps: config.train.max_steps,
         grad_accum: config.train.grad_accum,
         eval_every: config.train.eval_every,
+        log_every: config.run.log_every,
+        profile_steps: config.run.profile,
+        profile_file: (config.run.profile > 0).then(kernel_profile_file),
         checkpoint_every: config.checkpoint.every,
         keep_last: config.checkpoint.keep_last,
         checkpoint_in_background: config.checkpoint.in_background,

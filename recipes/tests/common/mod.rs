@@ -169,6 +169,16 @@ pub fn series(dir: &Path, kind: &str, key: &str) -> Vec<f64> {
         .collect()
 }
 
+/// Every logged step of run `dir` made `reads` blocking reads of device values (rank 0's
+/// thread, within the step: `StepRecord::host_reads`; the log interval's read is not a step's).
+pub fn assert_step_reads(dir: &Path, reads: u64, what: &str) {
+    let counted = series(dir, "train", "host_reads");
+    assert!(
+        !counted.is_empty() && counted.iter().all(|&r| r == reads as f64),
+        "{what}: blocking reads per step {counted:?}, expected {reads} each"
+    );
+}
+
 /// The directory of run `dir`'s checkpoint of `step`.
 pub fn checkpoint_path(dir: &Path, step: u64) -> PathBuf {
     dir.join("checkpoints")

@@ -6,7 +6,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
+use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_elementwise};
 use crate::kernels::launch::{accepted, elementwise_grid, empty_like};
 
 /// `σ(g) = 1 / (1 + e^−g)`.
@@ -51,28 +51,11 @@ fn backward_elementwise<F: Float>(
     }
 }
 
-/// Why the kernels do not take inputs of these shapes and types on `device`, if they do not:
-/// they must be of one shape and type, f32, f16 or bf16 on a device that has it, not empty.
-fn unsupported<R: CubeRuntime>(inputs: &[TensorSpec], device: &R::Device) -> Result<(), String> {
-    let first = &inputs[0];
-    unsupported_float::<R>(first.dtype, device)?;
-    if let Some(other) = inputs.iter().find(|t| *t != first) {
-        return Err(format!(
-            "inputs {:?} {:?} and {:?} {:?}",
-            first.shape, first.dtype, other.shape, other.dtype
-        ));
-    }
-    if first.shape.num_elements() == 0 {
-        return Err("no elements".into());
-    }
-    Ok(())
-}
-
-/// The inputs, contiguous, once they are ones the kernels take ([`unsupported`]); or why not.
+/// The inputs, contiguous, once they are ones the kernels take ([`unsupported_elementwise`]); or why not.
 fn checked<R: CubeRuntime, const N: usize>(
     inputs: [CubeTensor<R>; N],
 ) -> Result<[CubeTensor<R>; N], String> {
-    unsupported::<R>(&inputs.each_ref().map(TensorSpec::of), &inputs[0].device)?;
+    unsupported_elementwise::<R>(&inputs.each_ref().map(TensorSpec::of), &inputs[0].device)?;
     Ok(inputs.map(into_contiguous))
 }
 
@@ -147,7 +130,7 @@ impl CubeKernel<2, 1> for Forward {
         inputs: &[TensorSpec; 2],
         device: &R::Device,
     ) -> Result<[TensorSpec; 1], String> {
-        unsupported::<R>(inputs, device)?;
+        unsupported_elementwise::<R>(inputs, device)?;
         Ok([inputs[0].clone()])
     }
 
@@ -170,7 +153,7 @@ impl CubeKernel<3, 2> for Backward {
         inputs: &[TensorSpec; 3],
         device: &R::Device,
     ) -> Result<[TensorSpec; 2], String> {
-        unsupported::<R>(inputs, device)?;
+        unsupported_elementwise::<R>(inputs, device)?;
         Ok([inputs[0].clone(), inputs[0].clone()])
     }
 

@@ -19,8 +19,15 @@
 //! Burn's [`AdamWState`], so checkpoints are unchanged too.
 //!
 //! On Flex in f32, from the second step of a parameter on (the first creates the moments), the
-//! pass runs natively; otherwise (other backends, other dtypes, `WILDFIRE_KERNELS=reference`)
-//! the step is Burn's AdamW itself.
+//! pass runs natively. On Burn's CubeCL backends (wgpu, CUDA; bare or fused) it is one kernel
+//! launch per parameter tensor, or per flat bucket under ZeRO ([`cube`]), with the same f32
+//! operations in the same order, which a GPU may contract and round within a few ulps of
+//! Burn's step rather than bit for bit. Otherwise (other backends, other dtypes,
+//! `WILDFIRE_KERNELS=reference`, the fused step turned off) the step is Burn's AdamW itself.
+//!
+//! Like the model's fused ops ([`super::choice`]), the fused step is on by default where it was
+//! verified: on the CPU and on wgpu, but not on CUDA until a GPU run has checked its kernel
+//! ([`FusedAdamW::with_fused`] decides it either way).
 
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, SimpleOptimizer};
 use burn::tensor::backend::Backend;
@@ -29,8 +36,12 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::route::on_flex_owned;
+use super::choice::{FusedOp, FusedOps};
+use super::route::{on_cube, on_flex_owned};
 use super::{flex, tensor};
+use crate::device::DeviceKind;
+
+mod cube;
 
 /// Elements per task of the native pass.
 const TASK: usize = 1 << 14;
@@ -43,6 +54,9 @@ pub struct FusedAdamW {
     beta_2: f32,
     epsilon: f32,
     weight_decay: f32,
+    /// Whether the step runs fused: `None` as each device's default (on CPU and wgpu, off on
+    /// CUDA: `FusedOps::device_default`), `Some` as set.
+    fused: Option<bool>,
     /// Burn's AdamW with the same settings: the step wherever the pass does not run.
     reference: AdamW,
 }
@@ -62,13 +76,31 @@ impl FusedAdamW {
             beta_2,
             epsilon,
             weight_decay,
+            fused: None,
             reference,
         }
     }
 
     /// The same optimizer with weight decay `weight_decay`.
     pub fn with_weight_decay(&self, weight_decay: f32) -> Self {
-        Self::new(self.beta_1, self.beta_2, self.epsilon, weight_decay)
+        Self {
+            fused: self.fused,
+            ..Self::new(self.beta_1, self.beta_2, self.epsilon, weight_decay)
+        }
+    }
+
+    /// The same optimizer with its fused step on (`true`) or off (Burn's step everywhere), on
+    /// every device, instead of each device's default.
+    pub fn with_fused(self, fused: bool) -> Self {
+        Self {
+            fused: Some(fused),
+            ..self
+        }
+    }
+
+    /// Whether the fused step runs on a device of `kind`.
+    fn fused_on(&self, kind: DeviceKind) -> bool {
+        (self.fused).unwrap_or_else(|| FusedOps::device_default(kind).is_fused(FusedOp::Adamw))
     }
 
     /// The scalars of step `time` at learning rate `lr`, rounded as Burn's ops round them.
@@ -96,6 +128,7 @@ impl std::fmt::Debug for FusedAdamW {
             .field("beta_2", &self.beta_2)
             .field("epsilon", &self.epsilon)
             .field("weight_decay", &self.weight_decay)
+            .field("fused", &self.fused)
             .finish()
     }
 }
@@ -115,11 +148,22 @@ impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
         let Some(AdamWState { momentum }) = state else {
             return SimpleOptimizer::<B>::step(&self.reference, lr, param, grad, None);
         };
+        if self.fused == Some(false) {
+            let state = Some(AdamWState { momentum });
+            return SimpleOptimizer::<B>::step(&self.reference, lr, param, grad, state);
+        }
         let time = momentum.time + 1;
         let scalars = self.scalars(lr, time);
         let inputs = [param, grad, momentum.moment_1, momentum.moment_2]
             .map(|t| t.into_primitive().tensor());
-        match on_flex_owned("adamw", inputs, |inputs| step_in_place(inputs, &scalars)) {
+        let kernel = cube::Step {
+            scalars,
+            on_cuda: self.fused_on(DeviceKind::Cuda),
+        };
+        let stepped = on_cube(&kernel, inputs).or_else(|inputs| {
+            on_flex_owned("adamw", inputs, |inputs| step_in_place(inputs, &scalars))
+        });
+        match stepped {
             Ok([param, moment_1, moment_2]) => {
                 let momentum = AdaptiveMomentumState {
                     time,

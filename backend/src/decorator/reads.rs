@@ -1,0 +1,90 @@
+//! Blocking reads, counted: each time a thread reads a tensor's values to the host through
+//! `Parallel<B>` (`into_data` of a float, int or bool tensor, which `into_scalar` and
+//! `to_data` call too), that thread's count grows by one.
+//!
+//! A GPU runs ahead of the host only while the host does not wait for it, and a read waits for
+//! every queued kernel that the value depends on. So this count is what says whether a training
+//! step lets the device run ahead: a steady step should read nothing (the loss and the gradient
+//! norm stay on the device until the loop logs them).
+//!
+//! A collective that moves a tensor through host memory (the tcp, shm and in-process transports)
+//! reads it too, but that read *is* the communication, which a device transport (NCCL) does
+//! without the host: such reads are not counted ([`CollectiveRead`] marks them). The count is
+//! per thread, so thread ranks each see their own.
+
+use std::cell::Cell;
+
+thread_local! {
+    static READS: Cell<u64> = const { Cell::new(0) };
+    static IN_COLLECTIVE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The blocking reads this thread has made so far (see the module doc); the difference of two
+/// calls counts the reads between them.
+pub fn blocking_reads() -> u64 {
+    READS.with(Cell::get)
+}
+
+/// Counts one read on this thread, unless a collective is reading.
+pub(crate) fn count_read() {
+    if IN_COLLECTIVE.with(Cell::get) == 0 {
+        READS.with(|reads| reads.set(reads.get() + 1));
+    }
+}
+
+/// While alive, this thread's reads are a collective's transfers and are not counted.
+pub(crate) struct CollectiveRead(());
+
+impl CollectiveRead {
+    pub(crate) fn start() -> Self {
+        IN_COLLECTIVE.with(|depth| depth.set(depth.get() + 1));
+        Self(())
+    }
+}
+
+impl Drop for CollectiveRead {
+    fn drop(&mut self) {
+        IN_COLLECTIVE.with(|depth| depth.set(depth.get() - 1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{Int, Tensor};
+
+    use super::*;
+    use crate::Parallel;
+
+    type B = Parallel<Flex>;
+
+    #[test]
+    fn reads_through_the_decorator_are_counted_except_a_collectives() {
+        let device = Default::default();
+        let before = blocking_reads();
+        let x = Tensor::<B, 1>::from_floats([1.0, 2.0], &device);
+        let y = (x.clone() * 2.0).sum();
+        assert_eq!(
+            blocking_reads(),
+            before,
+            "building and computing reads nothing"
+        );
+        let _ = y.into_scalar();
+        let _ = x.clone().greater_elem(1.0).into_data();
+        let _ = Tensor::<B, 1, Int>::arange(0..3, &device).into_data();
+        assert_eq!(blocking_reads(), before + 3);
+        {
+            let _collective = CollectiveRead::start();
+            let _ = x.clone().into_data();
+        }
+        assert_eq!(
+            blocking_reads(),
+            before + 3,
+            "a collective's read is not counted"
+        );
+        let _ = x.into_data();
+        assert_eq!(blocking_reads(), before + 4, "counting resumes after it");
+        let elsewhere = std::thread::spawn(blocking_reads).join().unwrap();
+        assert_eq!(elsewhere, 0, "another thread has its own count");
+    }
+}
