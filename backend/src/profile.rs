@@ -43,14 +43,55 @@ pub fn profile_kernels_into(file: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// One table of kernels as CubeCL wrote it, and its total kernel time.
+/// One table of kernels as CubeCL wrote it: a row per kernel, longest time first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KernelTable {
-    /// The table's lines: a header, one line per kernel (`| name | time | launches | share |`,
-    /// longest time first), and the total.
-    pub text: String,
-    /// The sum of the kernels' times (the `Total` line).
+    pub rows: Vec<KernelRow>,
+    /// The sum of the kernels' times (the table's `Total` line).
     pub total: Duration,
+}
+
+/// One kernel of a [`KernelTable`]: its time, summed over its launches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelRow {
+    /// The kernel's name, short: CubeCL's type name without its generic arguments and runtime
+    /// (`KernelBinop MulOp`, `MatmulEntry`, `ElemwiseFuse`).
+    pub name: String,
+    pub time: Duration,
+    pub launches: u64,
+}
+
+impl std::fmt::Display for KernelTable {
+    /// `kernel · time · launches · share` per row, aligned, then the total.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let width = (self.rows.iter().map(|r| r.name.len()))
+            .chain([6])
+            .max()
+            .unwrap_or(6);
+        let total = self.total.as_secs_f64().max(f64::MIN_POSITIVE);
+        writeln!(
+            f,
+            "  {:<width$}  {:>10}  {:>8}  {:>6}",
+            "kernel", "ms", "launches", "share"
+        )?;
+        for row in &self.rows {
+            let ms = 1e3 * row.time.as_secs_f64();
+            let share = 100.0 * row.time.as_secs_f64() / total;
+            let name = &row.name;
+            writeln!(
+                f,
+                "  {name:<width$}  {ms:>10.3}  {:>8}  {share:>5.1}%",
+                row.launches
+            )?;
+        }
+        let launches: u64 = self.rows.iter().map(|r| r.launches).sum();
+        let ms = 1e3 * self.total.as_secs_f64();
+        write!(
+            f,
+            "  {:<width$}  {ms:>10.3}  {launches:>8}  100.0%",
+            "total"
+        )
+    }
 }
 
 /// The first whole table in `file` after byte `from`, waiting up to `timeout` for CubeCL's
@@ -81,7 +122,8 @@ pub fn next_table(
 }
 
 /// The first whole table in `text` (from its top rule `|⎺…` to its bottom rule `|⎯…`), and
-/// where it ends.
+/// where it ends. Its rows are `| name | time | launches | share |`; kernels whose short names
+/// agree are one row.
 fn table_in(text: &str) -> Option<(KernelTable, usize)> {
     let start = text.find("|⎺")?;
     let bottom = start + text[start..].find("|⎯")?;
@@ -89,19 +131,70 @@ fn table_in(text: &str) -> Option<(KernelTable, usize)> {
         + text[bottom..]
             .find('\n')
             .map_or(text.len() - bottom, |n| n + 1);
-    let table = &text[start..end];
-    let total = table
-        .lines()
-        .find_map(|line| line.strip_prefix("| Total"))
-        .and_then(|rest| rest.split('|').nth(1))
-        .and_then(|time| parse_duration(time.trim()))?;
+    let mut rows: Vec<KernelRow> = Vec::new();
+    let mut total = None;
+    for line in text[start..bottom].lines() {
+        let cells: Vec<&str> = line.split(" | ").map(str::trim).collect();
+        // A row: `| name segments… | time | launches | ratio |`, the name's own ` | ` included.
+        let [.., time, launches, _ratio] = cells.as_slice() else {
+            continue;
+        };
+        let (Some(time), Ok(launches)) = (parse_duration(time), launches.parse::<u64>()) else {
+            continue;
+        };
+        let name = short_name(&cells[..cells.len() - 3]);
+        if name == "Total" {
+            total = Some(time);
+        } else if let Some(row) = rows.iter_mut().find(|r| r.name == name) {
+            row.time += time;
+            row.launches += launches;
+        } else {
+            rows.push(KernelRow {
+                name,
+                time,
+                launches,
+            });
+        }
+    }
+    rows.sort_by_key(|row| std::cmp::Reverse(row.time));
     Some((
         KernelTable {
-            text: table.to_string(),
-            total,
+            rows,
+            total: total?,
         },
         end,
     ))
+}
+
+/// A kernel's name from the segments of CubeCL's (`| `-joined, the first starting with `| `):
+/// the kernel's type and an operation that qualifies it (`KernelBinop MulOp`), without the
+/// generic arguments and the runtime that follow.
+fn short_name(segments: &[&str]) -> String {
+    let plain = |segment: &&str| {
+        !segment.ends_with("Runtime")
+            && !segment.starts_with("__")
+            && ![
+                "TensorArgs",
+                "DynamicScalar",
+                "DynamicSize",
+                "f32",
+                "f16",
+                "bf16",
+                "f64",
+                "i32",
+                "i64",
+                "u32",
+                "u8",
+                "bool",
+            ]
+            .contains(segment)
+    };
+    let words: Vec<&str> = (segments.iter())
+        .map(|s| s.trim_start_matches('|').trim())
+        .take_while(|s| plain(s))
+        .take(2)
+        .collect();
+    words.join(" ")
 }
 
 /// A duration as Rust's `Debug` writes it: `850ns`, `12.5µs`, `1.234567ms`, `2.5s`.
@@ -118,23 +211,41 @@ fn parse_duration(text: &str) -> Option<Duration> {
 mod tests {
     use super::*;
 
-    /// A table as CubeCL 0.10's `Profiled` writes it, after a per-kernel line.
+    /// A table as CubeCL 0.10's `Profiled` writes it (names shortened), after a per-kernel
+    /// line.
     const WRITTEN: &str = "| 1.5ms      | ElemwiseFuse | WgpuRuntime\n\
 |⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺⎺| \n\
-| Name                | Duration | Num Computed | Ratio |\n\
+| Name                                 | Duration | Num Computed | Ratio |\n\
 |⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼| \n\
-| ElemwiseFuse        | 1.5ms    | 3            | 75 %  |\n\
-| MatmulEntry         | 500µs    | 1            | 25 %  |\n\
+| ElemwiseFuse | WgpuRuntime           | 1.5ms    | 3            | 75 %  |\n\
+| MatmulEntry | TensorArgs | __Lhs | WgpuRuntime | 100µs    | 1            | 5 %   |\n\
+| KernelBinop | MulOp | f32 | WgpuRuntime | 300µs  | 1            | 15 %  |\n\
+| KernelBinop | MulOp | f16 | WgpuRuntime | 100µs  | 1            | 5 %   |\n\
 |⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼⎼| \n\
-| Total               | 2ms      | 4            | 100 % |\n\
+| Total                                | 2ms      | 6            | 100 % |\n\
 |⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯⎯| \n\
 | 7µs        | next step's kernel\n";
 
     #[test]
-    fn a_table_is_found_whole_with_its_total() {
+    fn a_table_is_found_whole_with_its_rows_and_total() {
         let (table, end) = table_in(WRITTEN).expect("a table");
         assert_eq!(table.total, Duration::from_millis(2));
-        assert!(table.text.starts_with("|⎺") && table.text.contains("MatmulEntry"));
+        let rows: Vec<(&str, u64)> = (table.rows.iter())
+            .map(|r| (r.name.as_str(), r.launches))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("ElemwiseFuse", 3),
+                ("KernelBinop MulOp", 2),
+                ("MatmulEntry", 1)
+            ]
+        );
+        assert_eq!(
+            table.rows[1].time,
+            Duration::from_micros(400),
+            "two rows made one"
+        );
         assert!(WRITTEN[end..].starts_with("| 7µs"), "{:?}", &WRITTEN[end..]);
         assert!(table_in(&WRITTEN[end..]).is_none(), "only one table");
         let unfinished = &WRITTEN[..WRITTEN.find("| Total").unwrap()];
@@ -142,6 +253,10 @@ mod tests {
             table_in(unfinished).is_none(),
             "a table still being written"
         );
+        let shown = table.to_string();
+        assert!(shown.contains("KernelBinop MulOp"), "{shown}");
+        let last: Vec<&str> = shown.lines().last().unwrap().split_whitespace().collect();
+        assert_eq!(last, ["total", "2.000", "6", "100.0%"], "{shown}");
     }
 
     #[test]

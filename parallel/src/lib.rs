@@ -1,7 +1,8 @@
 //! wildfire's parallel strategies for any Burn module, built on [`wildfire_backend::comm`]: the
 //! layout of a job, its validation and its process groups ([`mesh`]), identical replicas at
 //! start ([`replicas`]), data parallelism ([`dp`]: DDP's bucketed gradient reduction), ZeRO
-//! stages 1–3 and offload ([`fsdp`]), global-norm clipping ([`clip`]), the optimizer step under
+//! stages 1–3 and offload ([`fsdp`]), global-norm clipping on the device ([`clip`]; the step's
+//! scalars stay there: [`device_value`]), the optimizer step under
 //! every stage ([`update`], and as the optimizer a burn-train `Learner` holds:
 //! [`learner_update`]), burn-train learning strategies built on them ([`strategy`], with
 //! checkpoints any stage resumes ([`moments`]), AdamW offloaded per tensor ([`offload`]) and the

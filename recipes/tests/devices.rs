@@ -75,15 +75,16 @@ fn single_with_output(name: &str, device: &str, extra: &[&str]) -> (RunDir, Stri
     (dir, printed)
 }
 
-/// The profile a run with `--profile 2` printed: a table of kernels for steps 1 and 2 only
-/// (the first step's, which compiles the kernels, is dropped), each with its fused elementwise
-/// kernels and a total, after a line naming the step's wall time and its blocking reads (none).
-fn assert_profiled_two_steps(printed: &str, what: &str) {
+/// The profile a run with `--profile 3` printed: a table of kernels for steps 1 to 3 only (the
+/// first step's, which compiles the kernels, is dropped), each with its fused elementwise
+/// kernels, AdamW's kernel and a total, after a line naming the step's wall time and its
+/// blocking reads (none).
+fn assert_profiled_three_steps(printed: &str, what: &str) {
     let headers: Vec<&str> = printed
         .lines()
         .filter(|line| line.starts_with("profile of step"))
         .collect();
-    assert_eq!(headers.len(), 2, "{what}: {headers:?}\n{printed}");
+    assert_eq!(headers.len(), 3, "{what}: {headers:?}\n{printed}");
     for (header, step) in headers.iter().zip(1..) {
         assert!(
             header.starts_with(&format!("profile of step {step}: "))
@@ -94,7 +95,9 @@ fn assert_profiled_two_steps(printed: &str, what: &str) {
     let tables = printed.split("profile of step").skip(1);
     for table in tables {
         assert!(
-            table.contains("| Name") && table.contains("ElemwiseFuse") && table.contains("| Total"),
+            table.contains("ElemwiseFuse")
+                && table.contains("AdamwStep")
+                && table.contains("  total "),
             "{what}: {table}"
         );
     }
@@ -143,7 +146,7 @@ fn launched(name: &str, device: &str, ranks: usize, port: u16, extra: &[&str]) -
 }
 
 /// 20 steps on wgpu follow the CPU run: losses at every step and the parameters of every
-/// checkpoint, for the GPT and for llama-tiny (profiled for two steps: `--profile`), every fused
+/// checkpoint, for the GPT and for llama-tiny (profiled for three steps: `--profile`), every fused
 /// op on its kernel in Burn's fusion stream. Then the same checkpoints cross devices: a wgpu run's step-10 checkpoint resumed
 /// on the CPU, and the CPU run's resumed on wgpu, continue the trajectory. And greedy generation
 /// from the last checkpoint writes the same text on both devices.
@@ -165,11 +168,11 @@ fn on_wgpu_the_recipe_trains_resumes_and_generates_as_on_cpu() {
     let llama = [&twenty[..], &["--set", "model.preset=\"llama-tiny\""]].concat();
     let llama_cpu = single("device-cpu-llama", "cpu", &llama);
     // Profiling changes no value: the profiled run trains as the CPU run does.
-    let profiled = [&llama[..], &["--profile", "2"]].concat();
+    let profiled = [&llama[..], &["--profile", "3"]].concat();
     let (llama_wgpu, printed) = single_with_output("device-wgpu-llama", "wgpu", &profiled);
     let what = "llama-tiny on wgpu against cpu, 20 steps";
     assert_trains_within(&llama_cpu, &llama_wgpu, what, TWENTY_STEPS);
-    assert_profiled_two_steps(&printed, "llama-tiny on wgpu, --profile 2");
+    assert_profiled_three_steps(&printed, "llama-tiny on wgpu, --profile 3");
 
     for (from, to, reference) in [(&wgpu, "cpu", &cpu), (&cpu, "wgpu", &wgpu)] {
         let what = format!("checkpoint of {} resumed on {to}", from.display());

@@ -485,7 +485,7 @@ impl<B: TrainBackend> StepLoop<B> {
                 ms(wall),
                 ms(table.total),
                 ms(wall.saturating_sub(table.total)),
-                table.text.trim_end()
+                table
             );
         }
         Ok(())

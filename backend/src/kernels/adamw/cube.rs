@@ -22,7 +22,7 @@ use crate::kernels::launch::{accepted, elementwise_grid, empty_like};
 /// `θ ← θ·keep − η·(m/c₁)/(√(v/c₂) + ε)` (`keep = 1 − ηλ`, or exactly 1 without decay).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)] // the step's nine scalars
-fn step_elementwise<F: Float>(
+fn adamw_step<F: Float>(
     param: &Tensor<F>,
     grad: &Tensor<F>,
     moment_1: &Tensor<F>,
@@ -82,7 +82,7 @@ fn step_kernel<R: CubeRuntime>(
     // SAFETY: the seven tensors are contiguous with one shape (checked, or made so), and the
     // kernel touches only indices below their length.
     unsafe {
-        step_elementwise::launch_unchecked(
+        adamw_step::launch_unchecked(
             &client,
             cubes,
             cube_dim,
