@@ -19,7 +19,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{FloatDType, Tensor};
 
-use crate::device_value::fold_sum;
+use crate::device_value::{fold_sum, module_inner_device};
 
 /// The inner backend of autodiff backend `B`, where gradients live.
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -65,7 +65,7 @@ pub fn grad_sum_of_squares_where<B: AutodiffBackend, M: AutodiffModule<B>>(
         terms: Vec::new(),
     };
     module.visit(&mut squares);
-    fold_sum(squares.terms, &crate::update::module_inner_device(module))
+    fold_sum(squares.terms, &module_inner_device(module))
 }
 
 /// Global gradient-norm clipping of one module's gradients (see the module doc): returns the

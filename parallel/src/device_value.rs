@@ -15,7 +15,8 @@
 //! value where f64 exists. Where it does not, the sum is an f32 fold: its relative error is at
 //! most about `n · 2⁻²⁴` for `n` non-negative terms, instead of `n · 2⁻⁵³`.
 
-use burn::tensor::backend::Backend;
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp};
 use wildfire_backend::fusion::is_fused_backend;
@@ -75,6 +76,23 @@ pub fn read_values<B: Backend>(values: Vec<Tensor<B, 1>>) -> Vec<f64> {
 /// The value of a one-element tensor: one blocking read.
 pub fn read_value<B: Backend>(value: Tensor<B, 1>) -> f64 {
     read_values(vec![value])[0]
+}
+
+/// The inner backend's device of `module`'s parameters (the default device for a module
+/// without any).
+pub fn module_inner_device<A: AutodiffBackend, M: AutodiffModule<A>>(
+    module: &M,
+) -> burn::tensor::Device<A::InnerBackend> {
+    inner_device_of::<A>(&module.devices().into_iter().next().unwrap_or_default())
+}
+
+/// The inner backend's device that corresponds to `device`.
+pub fn inner_device_of<A: AutodiffBackend>(
+    device: &A::Device,
+) -> burn::tensor::Device<A::InnerBackend> {
+    burn::tensor::Tensor::<A, 1>::zeros([1], device)
+        .inner()
+        .device()
 }
 
 #[cfg(test)]

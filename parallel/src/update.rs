@@ -29,6 +29,7 @@ use wildfire_backend::comm::{CommError, ProcessGroup};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 
 use crate::clip::{grad_sum_of_squares_where, scale_grads, unscale_and_clip};
+pub use crate::device_value::{inner_device_of, module_inner_device};
 use crate::device_value::{read_value, sum_over};
 use crate::dp::{self, FlatLayout, ReduceStats, SetParams};
 use crate::fsdp::{StateBytes, ZeroError, ZeroOptimizer, ZeroStage, unit_params};
@@ -370,21 +371,4 @@ pub fn zero_optimizer<A: AutodiffBackend, M: AutodiffModule<A>>(
     let mut zero = ZeroOptimizer::new(stage, group, layout, halves, offload, device);
     zero.set_params(&dp::flat_params(model));
     zero
-}
-
-/// The inner backend's device of `module`'s parameters (the default device for a module
-/// without any).
-pub fn module_inner_device<A: AutodiffBackend, M: AutodiffModule<A>>(
-    module: &M,
-) -> burn::tensor::Device<A::InnerBackend> {
-    inner_device_of::<A>(&module.devices().into_iter().next().unwrap_or_default())
-}
-
-/// The inner backend's device that corresponds to `device`.
-pub fn inner_device_of<A: AutodiffBackend>(
-    device: &A::Device,
-) -> burn::tensor::Device<A::InnerBackend> {
-    burn::tensor::Tensor::<A, 1>::zeros([1], device)
-        .inner()
-        .device()
 }

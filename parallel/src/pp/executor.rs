@@ -49,7 +49,7 @@ use burn::tensor::{Float, Tensor};
 use wildfire_backend::comm::{CommError, ProcessGroup};
 
 use super::schedule::{Action, Schedule};
-use crate::device_value::fold_sum;
+use crate::device_value::{fold_sum, inner_device_of};
 
 /// Serialises autodiff graph building and backward passes within a process (see the module
 /// doc). Anything else that registers autodiff nodes while ranks run as threads (a parameter
@@ -295,7 +295,7 @@ where
         source: Box::new(source),
     })?;
     run.stats.wall = started.elapsed();
-    let inner_device = crate::update::inner_device_of::<B>(device);
+    let inner_device = inner_device_of::<B>(device);
     Ok(StepResult {
         grads: run.accumulators.iter_mut().map(|a| a.grads()).collect(),
         loss: fold_sum(run.losses, &inner_device),
