@@ -10,10 +10,11 @@
 //! Sums of such scalars are kept in the widest float the device computes them in
 //! ([`wide_dtype`]): f64 where it has one (Flex, Burn's bare CubeCL backends where the device
 //! offers 64-bit floats), f32 elsewhere, which includes Burn's fusion backend (`--device wgpu`
-//! and `--device cuda`), whose fusers have no f64. A sum of f32 terms folded in order in f64 ([`fold_sum`]) is, bit for
-//! bit, what the same fold gives on the host, so moving these sums to the device changes no
-//! value where f64 exists. Where it does not, the sum is an f32 fold: its relative error is at
-//! most about `n · 2⁻²⁴` for `n` non-negative terms, instead of `n · 2⁻⁵³`.
+//! and `--device cuda`), whose fusers have no f64. A sum of f32 terms folded in order in f64
+//! ([`fold_sum`]) is, bit for bit, what the same fold gives on the host, so moving these sums
+//! to the device changes no value where f64 exists. Where it does not, the sum is an f32
+//! fold: its relative error is at most about `n · 2⁻²⁴` for `n` non-negative terms, instead of
+//! `n · 2⁻⁵³`.
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
