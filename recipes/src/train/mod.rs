@@ -444,7 +444,7 @@ impl<B: TrainBackend> StepLoop<B> {
             .map_err(|error| error.context(format!("step {step}")))?;
         let reads = pending.host_reads;
         lock(&self.interval).push(pending);
-        self.profile_step(&learner.model().devices()[0], step, started, reads)
+        self.profile_step(learner, step, started, reads)
             .map_err(|error| error.context(format!("profiling step {step}")))?;
         match (step + 1).is_multiple_of(self.settings.log_every.max(1)) {
             true => self.log_interval(events),
@@ -459,7 +459,7 @@ impl<B: TrainBackend> StepLoop<B> {
     /// blocking reads (`reads`). With ranks as threads the table holds every rank's kernels.
     fn profile_step(
         &self,
-        device: &B::Device,
+        learner: &Learner<GptComponents<B>>,
         step: u64,
         started: Instant,
         reads: u64,
@@ -472,7 +472,9 @@ impl<B: TrainBackend> StepLoop<B> {
         if self.rank.world.rank() != 0 || step > first + settings.profile_steps {
             return Ok(());
         }
-        B::sync(device).map_err(|e| anyhow::anyhow!("syncing the device: {e:?}"))?;
+        // The model (a handle per parameter) is fetched only on the steps that profile.
+        let device = learner.model().devices()[0].clone();
+        B::sync(&device).map_err(|e| anyhow::anyhow!("syncing the device: {e:?}"))?;
         let wall = started.elapsed();
         let mut offset = lock(&self.profile_offset);
         let (table, next) = next_table(file, *offset, PROFILE_WAIT).map_err(anyhow::Error::msg)?;
