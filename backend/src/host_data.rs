@@ -6,9 +6,14 @@
 //! that way: on an H200, reading tensors back made `iter` panic
 //! (`TargetAlignmentGreaterAndInputNotAligned`). [`aligned`] copies such bytes into a fresh
 //! allocation of the element's alignment; aligned bytes are kept as they are, without a copy.
+//! [`misaligned`] makes such bytes on purpose, so a CPU run can check that every reader copes
+//! (`WILDFIRE_MISALIGNED_READS`: the decorator's reads).
+
+use std::mem::MaybeUninit;
 
 use burn::tensor::{Bytes, DataError, Element, TensorData};
 use bytemuck::Pod;
+use cubecl::bytes::{AllocationController, AllocationProperty};
 
 /// `data` with its bytes aligned for its element type (copied only where they are not).
 pub fn aligned(data: TensorData) -> TensorData {
@@ -30,45 +35,41 @@ pub fn host_values<E: Element + Pod>(data: TensorData) -> Result<Vec<E>, DataErr
     aligned(data).into_vec::<E>()
 }
 
+/// `data` with its bytes copied to one byte past the start of an allocation, so they are
+/// misaligned for every element wider than a byte: what a staging pool may hand back.
+pub fn misaligned(data: TensorData) -> TensorData {
+    let mut buffer = vec![MaybeUninit::new(0u8)];
+    buffer.extend(data.as_bytes().iter().map(|&b| MaybeUninit::new(b)));
+    let len = buffer.len() - 1;
+    // SAFETY: every byte of the controller's memory is initialised.
+    let bytes = unsafe { Bytes::from_controller(Box::new(OffsetByOne(buffer)), len) };
+    TensorData::from_bytes(bytes, data.shape.clone(), data.dtype)
+}
+
+/// Bytes one past the start of a buffer, as a pool hands out a slice of a larger allocation.
+struct OffsetByOne(Vec<MaybeUninit<u8>>);
+
+impl AllocationController for OffsetByOne {
+    fn alloc_align(&self) -> usize {
+        1
+    }
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Other
+    }
+    unsafe fn memory_mut(&mut self) -> &mut [MaybeUninit<u8>] {
+        &mut self.0[1..]
+    }
+    fn memory(&self) -> &[MaybeUninit<u8>] {
+        &self.0[1..]
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::mem::MaybeUninit;
-
-    use burn::tensor::{Bytes, DType};
-    use cubecl::bytes::{AllocationController, AllocationProperty};
-
     use super::*;
 
-    /// Bytes one past the start of a buffer, as a pool hands out a slice of a larger allocation.
-    struct OffsetByOne(Vec<MaybeUninit<u8>>);
-
-    impl AllocationController for OffsetByOne {
-        fn alloc_align(&self) -> usize {
-            1
-        }
-        fn property(&self) -> AllocationProperty {
-            AllocationProperty::Other
-        }
-        unsafe fn memory_mut(&mut self) -> &mut [MaybeUninit<u8>] {
-            &mut self.0[1..]
-        }
-        fn memory(&self) -> &[MaybeUninit<u8>] {
-            &self.0[1..]
-        }
-    }
-
     fn misaligned_f32(values: &[f32]) -> TensorData {
-        let mut buffer = vec![MaybeUninit::new(0u8)];
-        buffer.extend(
-            values
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .map(MaybeUninit::new),
-        );
-        let len = buffer.len() - 1;
-        // SAFETY: every byte of the controller's memory is initialised.
-        let bytes = unsafe { Bytes::from_controller(Box::new(OffsetByOne(buffer)), len) };
-        TensorData::from_bytes(bytes, [values.len()], DType::F32)
+        misaligned(TensorData::new(values.to_vec(), [values.len()]))
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! DDP, every rank's shard is the matching slice of the full parameter and gradient, and the
 //! sharded gradient norm is the full one. Each collective fails after 30 s instead of hanging.
 //! The bitwise comparisons run the same products of the same shapes on both sides and sum each
-//! gradient element over ranks in rank order, so they hold on every SIMD width.
+//! gradient element over ranks in rank order, so they hold on every SIMD width. On wgpu, the
+//! AdamW kernel steps ZeRO 1's flat slices as it steps DDP's whole tensors, bit for bit.
 
 use std::collections::HashMap;
 
@@ -11,11 +12,14 @@ use crate::common::{assert_close, threads, values};
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer, SimpleOptimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{HostTensor, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::device::FusedWgpu;
 use wildfire_backend::kernels::adamw::FusedAdamW;
+use wildfire_backend::kernels::probe;
+use wildfire_backend::kernels::route::{KernelPath, kernel_paths};
 use wildfire_parallel::device_value::read_value;
 use wildfire_parallel::dp::{self, FlatLayout, ParamSpec};
 use wildfire_parallel::fsdp::{Placeholders, ZeroOptimizer, ZeroStage, run_sharded_step};
@@ -24,7 +28,8 @@ use wildfire_parallel::pp::PipelineChunk;
 use wildfire_parallel::update::{StepOptions, Update, UpdateGroups};
 use wildfire_parallel::{Mesh, ParallelDims};
 
-type A = Autodiff<Flex>;
+/// The autodiff backend over `I`: Flex unless a test names another.
+type A<I = Flex> = Autodiff<I>;
 
 const ROWS: usize = 8;
 const STEPS: usize = 10;
@@ -59,7 +64,7 @@ fn tensor<B: Backend, const D: usize>(data: Vec<f32>, shape: [usize; D]) -> Tens
     Tensor::from_data(TensorData::new(data, shape), &Default::default())
 }
 
-fn toy(integer: bool) -> Toy<A> {
+fn toy<I: Backend>(integer: bool) -> Toy<A<I>> {
     // Fixed ids, so runs compare parameter by parameter.
     let param = |seed: u64, shape: [usize; 2]| {
         let values = tensor(values(seed, shape[0] * shape[1], integer), shape);
@@ -76,7 +81,7 @@ fn toy(integer: bool) -> Toy<A> {
 }
 
 /// Step `step`'s global batch, rows `rows` of it.
-fn batch(step: usize, rows: std::ops::Range<usize>, integer: bool) -> Batch<A> {
+fn batch<I: Backend>(step: usize, rows: std::ops::Range<usize>, integer: bool) -> Batch<A<I>> {
     let x = values(100 + step as u64, ROWS * 7, integer);
     let t = values(200 + step as u64, ROWS * 3, integer);
     let u = values(300 + step as u64, ROWS * 15, integer);
@@ -91,7 +96,7 @@ fn batch(step: usize, rows: std::ops::Range<usize>, integer: bool) -> Batch<A> {
 
 /// The toy's loss: `scale · Σ (y − t)²`; or, linear, `scale · (Σ x W₁ + Σ (u W₂ + b))`, whose
 /// gradients are column sums of integer data, so every sum is exact (`scale` is 1/8).
-fn toy_loss(model: &Toy<A>, batch: &Batch<A>, linear: bool) -> Tensor<A, 1> {
+fn toy_loss<I: Backend>(model: &Toy<A<I>>, batch: &Batch<A<I>>, linear: bool) -> Tensor<A<I>, 1> {
     let first = batch.x.clone().matmul(model.w1.val().unsqueeze());
     let loss = if linear {
         let second = batch.u.clone().matmul(model.w2.val().unsqueeze()) + model.b.val().unsqueeze();
@@ -137,42 +142,50 @@ fn fused_adamw() -> (FusedAdamW, FusedAdamW) {
     (matrices, vectors)
 }
 
-/// Burn's per-tensor AdamW for matrices and for vectors (the serial and DDP side).
-type BurnAdamW = (
-    OptimizerAdaptor<AdamW, Toy<A>, A>,
-    OptimizerAdaptor<AdamW, Toy<A>, A>,
+/// A per-tensor optimizer `O` for the matrices and one for the vectors (the serial and DDP
+/// side): Burn's AdamW ([`adamw`]), or the fused one stepping each tensor ([`fused_adamw`]).
+type PerTensor<O, I> = (
+    OptimizerAdaptor<O, Toy<A<I>>, A<I>>,
+    OptimizerAdaptor<O, Toy<A<I>>, A<I>>,
 );
 
-fn burn_step(model: Toy<A>, grads: GradientsParams, optimizers: &mut BurnAdamW) -> Toy<A> {
+fn per_tensor<O: SimpleOptimizer<I>, I: Backend>(optimizers: (O, O)) -> PerTensor<O, I> {
+    (optimizers.0.into(), optimizers.1.into())
+}
+
+fn per_tensor_step<O: SimpleOptimizer<I>, I: Backend>(
+    model: Toy<A<I>>,
+    grads: GradientsParams,
+    optimizers: &mut PerTensor<O, I>,
+) -> Toy<A<I>> {
     let mut grads = grads;
     let mut vector = GradientsParams::new();
-    if let Some(grad) = grads.remove::<Flex, 1>(model.b.id) {
+    if let Some(grad) = grads.remove::<I, 1>(model.b.id) {
         vector.register(model.b.id, grad);
     }
     let model = optimizers.0.step(LR, model, grads);
     optimizers.1.step(LR, model, vector)
 }
 
-fn flat_values<M: AutodiffModule<A>>(module: &M) -> HashMap<ParamId, Vec<f32>> {
+fn flat_values<I: Backend, M: AutodiffModule<A<I>>>(module: &M) -> HashMap<ParamId, Vec<f32>> {
     dp::flat_params(module)
         .into_iter()
         .map(|(id, t)| (id, t.into_data().to_vec().unwrap()))
         .collect()
 }
 
-fn grads_of(model: &Toy<A>, batch: &Batch<A>, linear: bool) -> GradientsParams {
+fn grads_of<I: Backend>(model: &Toy<A<I>>, batch: &Batch<A<I>>, linear: bool) -> GradientsParams {
     GradientsParams::from_grads(toy_loss(model, batch, linear).backward(), model)
 }
 
-/// Serial training on the whole batch: every parameter after each step.
+/// Serial training on the whole batch with Burn's AdamW: every parameter after each step.
 fn serial(linear: bool) -> Vec<HashMap<ParamId, Vec<f32>>> {
-    let (m, v) = adamw();
-    let mut optimizers = (OptimizerAdaptor::from(m), OptimizerAdaptor::from(v));
-    let mut model = toy(linear);
+    let mut optimizers = per_tensor(adamw());
+    let mut model = toy::<Flex>(linear);
     (0..STEPS)
         .map(|step| {
             let grads = grads_of(&model, &batch(step, 0..ROWS, linear), linear);
-            model = burn_step(model.clone(), grads, &mut optimizers);
+            model = per_tensor_step(model.clone(), grads, &mut optimizers);
             flat_values(&model)
         })
         .collect()
@@ -183,15 +196,20 @@ fn rows_of(rank: usize, ranks: usize) -> std::ops::Range<usize> {
     rank * per..(rank + 1) * per
 }
 
-/// DDP with Burn's optimizer: each rank its rows, gradients summed in buckets.
-fn ddp(ranks: usize, linear: bool) -> Vec<Vec<HashMap<ParamId, Vec<f32>>>> {
+/// `steps` of DDP on `I` with the per-tensor `optimizers`: each rank its rows, gradients summed
+/// in buckets; every rank's parameters after each step.
+fn ddp<I: Backend, O: SimpleOptimizer<I> + 'static>(
+    ranks: usize,
+    linear: bool,
+    steps: usize,
+    optimizers: fn() -> (O, O),
+) -> Vec<Vec<HashMap<ParamId, Vec<f32>>>> {
     threads(ranks, move |group| {
-        let (m, v) = adamw();
-        let mut optimizers = (OptimizerAdaptor::from(m), OptimizerAdaptor::from(v));
-        let mut model = toy(linear);
+        let mut optimizers = per_tensor(optimizers());
+        let mut model = toy::<I>(linear);
         let layout = FlatLayout::of_module(&model, 64);
         let rows = rows_of(group.rank(), ranks);
-        (0..STEPS)
+        (0..steps)
             .map(|step| {
                 let _lock = wildfire_parallel::pp::graphs_lock();
                 let grads = grads_of(&model, &batch(step, rows.clone(), linear), linear);
@@ -201,7 +219,7 @@ fn ddp(ranks: usize, linear: bool) -> Vec<Vec<HashMap<ParamId, Vec<f32>>>> {
                         .unwrap();
                 assert_eq!(stats.buckets, layout.buckets.len());
                 let _lock = wildfire_parallel::pp::graphs_lock();
-                model = burn_step(model.clone(), grads, &mut optimizers);
+                model = per_tensor_step(model.clone(), grads, &mut optimizers);
                 flat_values(&model)
             })
             .collect()
@@ -213,7 +231,10 @@ fn ddp_equals_serial_training_on_the_concatenated_batch() {
     for linear in [true, false] {
         let reference = serial(linear);
         for ranks in [2, 4] {
-            for (rank, steps) in ddp(ranks, linear).into_iter().enumerate() {
+            for (rank, steps) in ddp::<Flex, _>(ranks, linear, STEPS, adamw)
+                .into_iter()
+                .enumerate()
+            {
                 for (step, (params, expected)) in steps.iter().zip(&reference).enumerate() {
                     for (id, values) in params {
                         let what = format!("dp {ranks} rank {rank} step {step} {id}");
@@ -240,11 +261,17 @@ struct ZeroRun {
     norm_squared: f64,
 }
 
-/// One rank of ZeRO `stage` on the toy, its rows of every global batch.
-fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
+/// One rank of `steps` of ZeRO `stage` on `I` with the fused AdamW, the toy on its rows of
+/// every global batch.
+fn zero_run<I: Backend>(
+    group: ProcessGroup,
+    stage: ZeroStage,
+    offload: bool,
+    steps: usize,
+) -> ZeroRun {
     let ranks = group.size();
     let rows = rows_of(group.rank(), ranks);
-    let mut model = toy(false);
+    let mut model = toy::<I>(false);
     // Stage 3 runs the model as two units: W₁, then W₂ and b.
     let units = [
         Unit {
@@ -270,7 +297,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
     })
     .collect();
     let layout = FlatLayout::new(&specs, 64);
-    let mut zero = ZeroOptimizer::<Flex>::new(
+    let mut zero = ZeroOptimizer::<I>::new(
         stage,
         group.clone(),
         layout,
@@ -279,7 +306,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
         Default::default(),
     );
     zero.set_params(&dp::flat_params(&model));
-    let skeletons: Vec<Unit<A>> = units
+    let skeletons: Vec<Unit<A<I>>> = units
         .into_iter()
         .map(|u| {
             u.map(&mut Placeholders {
@@ -292,11 +319,11 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
         owned_grads: Vec::new(),
         norm_squared: 0.0,
     };
-    for step in 0..STEPS {
+    for step in 0..steps {
         let batch = batch(step, rows.clone(), false);
         let mut grads = if stage == ZeroStage::ShardParameters {
             let step =
-                run_sharded_step::<A, _>(&zero, &skeletons, std::slice::from_ref(&batch), None)
+                run_sharded_step::<A<I>, _>(&zero, &skeletons, std::slice::from_ref(&batch), None)
                     .unwrap();
             // One unit whole at a time: the larger is W₁'s 7 × 15.
             assert_eq!(step.peak_gathered, 105);
@@ -307,7 +334,7 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
             drop(_lock);
             zero.reduce(&model, local).unwrap().0
         };
-        if step == STEPS - 1 {
+        if step == steps - 1 {
             run.owned_grads = owned_parts(&zero, &grads);
             let squares = read_value(zero.shard_sum_of_squares(&grads, &[]));
             run.norm_squared = match stage {
@@ -341,8 +368,8 @@ fn zero_run(group: ProcessGroup, stage: ZeroStage, offload: bool) -> ZeroRun {
     run
 }
 
-fn owned_parts(
-    zero: &ZeroOptimizer<Flex>,
+fn owned_parts<I: Backend>(
+    zero: &ZeroOptimizer<I>,
     grads: &GradientsParams,
 ) -> Vec<(std::ops::Range<usize>, Vec<f32>)> {
     let (rank, ranks) = (zero.group().rank(), zero.group().size());
@@ -355,7 +382,7 @@ fn owned_parts(
                 _ => split_ranges(bucket.numel, ranks)[rank].clone(),
             };
             let part = grads
-                .get::<Flex, 1>(bucket.id)
+                .get::<I, 1>(bucket.id)
                 .unwrap()
                 .into_data()
                 .to_vec()
@@ -367,8 +394,10 @@ fn owned_parts(
 
 #[test]
 fn flat_adamw_replicated_equals_burns_per_tensor_ddp_bitwise() {
-    let flat = threads(2, |group| zero_run(group, ZeroStage::Replicated, false));
-    let burn = ddp(2, false);
+    let flat = threads(2, |group| {
+        zero_run::<Flex>(group, ZeroStage::Replicated, false, STEPS)
+    });
+    let burn = ddp::<Flex, _>(2, false, STEPS, adamw);
     for (rank, (flat, burn)) in flat.iter().zip(&burn).enumerate() {
         for (step, (a, b)) in flat.params.iter().zip(burn).enumerate() {
             assert_eq!(a, b, "rank {rank} step {step}");
@@ -379,7 +408,9 @@ fn flat_adamw_replicated_equals_burns_per_tensor_ddp_bitwise() {
 #[test]
 fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
     for ranks in [2, 4] {
-        let reference = threads(ranks, |group| zero_run(group, ZeroStage::Replicated, false));
+        let reference = threads(ranks, |group| {
+            zero_run::<Flex>(group, ZeroStage::Replicated, false, STEPS)
+        });
         for (stage, offload) in [
             (ZeroStage::ShardOptimizer, false),
             (ZeroStage::ShardGradients, false),
@@ -387,7 +418,9 @@ fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
             (ZeroStage::ShardOptimizer, true),
             (ZeroStage::ShardParameters, true),
         ] {
-            let runs = threads(ranks, move |group| zero_run(group, stage, offload));
+            let runs = threads(ranks, move |group| {
+                zero_run::<Flex>(group, stage, offload, STEPS)
+            });
             for (rank, (run, expected)) in runs.iter().zip(&reference).enumerate() {
                 let what = format!("{stage} offload {offload} on {ranks} ranks, rank {rank}");
                 // Same reduction order (sums in rank order), same elementwise AdamW: bitwise.
@@ -418,12 +451,88 @@ fn every_zero_stage_equals_ddp_and_owns_slices_of_the_full_gradient() {
     }
 }
 
+/// The steps of the fused-AdamW comparison: the count Burn's AdamW is matched over in the
+/// kernel's own test (wildfire-backend's tests/adamw.rs).
+const FUSED_STEPS: usize = 50;
+
+/// The calls of the AdamW kernel queued in Burn's fusion stream so far in this process.
+fn fused_stream_adamw_calls() -> u64 {
+    (kernel_paths().into_iter())
+        .filter(|&(op, path, _)| op == "adamw" && path == KernelPath::CubeClFused)
+        .map(|(_, _, count)| count)
+        .sum()
+}
+
+/// On wgpu as `--device wgpu` trains (Burn's fusion over CubeCL), 50 steps at dp 2: ZeRO 1
+/// steps each rank's slice of each flat bucket with one launch of the AdamW kernel, DDP steps
+/// each whole tensor with one launch, and the two are equal bit for bit (the kernel runs the
+/// same f32 operations on each element wherever the slice starts; the gradients are summed in
+/// rank order in both). Both follow DDP with Burn's op-by-op AdamW within the kernel test's
+/// bound, 1e-5 of each tensor's largest magnitude (lavapipe: the same bits). On the CPU,
+/// Flex's pass equals Burn's bitwise (the tests above).
+#[test]
+fn on_wgpu_zero1_with_the_adamw_kernel_equals_ddp_with_it() {
+    if probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU").is_none() {
+        return;
+    }
+    let run = |stage| {
+        threads(2, move |group| {
+            zero_run::<FusedWgpu>(group, stage, false, FUSED_STEPS)
+        })
+    };
+    // This is the one test of this binary on wgpu, so the kernel's count is its own.
+    let before = fused_stream_adamw_calls();
+    let zero1 = run(ZeroStage::ShardOptimizer);
+    let zero1_calls = fused_stream_adamw_calls() - before;
+    let fused = ddp::<FusedWgpu, _>(2, false, FUSED_STEPS, fused_adamw);
+    let ddp_calls = fused_stream_adamw_calls() - before - zero1_calls;
+    let burn = ddp::<FusedWgpu, _>(2, false, FUSED_STEPS, adamw);
+
+    // Every step after the first (which creates the moments with Burn's step): one launch per
+    // owned slice on each rank, one per tensor (three) on each rank.
+    let slices: usize = (zero1.iter())
+        .map(|rank| {
+            rank.owned_grads
+                .iter()
+                .filter(|(r, _)| !r.is_empty())
+                .count()
+        })
+        .sum();
+    let later_steps = (FUSED_STEPS - 1) as u64;
+    assert_eq!(
+        zero1_calls,
+        later_steps * slices as u64,
+        "ZeRO 1's launches"
+    );
+    assert_eq!(ddp_calls, later_steps * 2 * 3, "DDP's launches");
+
+    let mut worst = 0f32;
+    for (rank, ((zero1, fused), burn)) in zero1.iter().zip(&fused).zip(&burn).enumerate() {
+        assert_eq!(zero1.params.len(), FUSED_STEPS);
+        for (step, ((zero1, fused), burn)) in zero1.params.iter().zip(fused).zip(burn).enumerate() {
+            assert_eq!(zero1, fused, "rank {rank} step {step}: ZeRO 1 against DDP");
+            for (id, values) in fused {
+                let what = format!("rank {rank} step {step} {id}: the kernel against Burn's");
+                assert_close(values, &burn[id], 1e-5, &what);
+                worst = worst.max(largest_relative_difference(values, &burn[id]));
+            }
+        }
+    }
+    println!("the AdamW kernel against Burn's over {FUSED_STEPS} steps: {worst:.1e} at worst");
+}
+
+/// The largest `|a − b|` over `max|b|` (both of one length, finite: `assert_close` held).
+fn largest_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    (a.iter().zip(b)).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
 /// Three DDP steps at dp 2 with clipping and a loss scale, through `Update::update` directly
 /// and through the Learner's optimizer (`LearnerUpdate`, stepped as burn-train's Learner steps
 /// it): the parameters after each step and the reported norms, per rank.
 fn learner_update_run(group: ProcessGroup, through_learner: bool) -> Vec<(Vec<f32>, f64)> {
     let mesh = Mesh::new(group, ParallelDims::data(2, ZeroStage::Replicated)).unwrap();
-    let mut model = toy(false);
+    let mut model = toy::<Flex>(false);
     let optimizer = OptimizerAdaptor::from(adamw().0);
     let update = Update::replicated(optimizer, FlatLayout::of_module(&model, 64));
     let (max_norm, loss_scale) = (0.5, 4.0);
@@ -476,7 +585,7 @@ fn the_learners_optimizer_steps_as_the_update_it_holds() {
     // A step that failed, or none at all, is reported as an error, not as stats.
     let error = threads(1, |group| {
         let mesh = Mesh::new(group, ParallelDims::data(1, ZeroStage::Replicated)).unwrap();
-        let model = toy(false);
+        let model = toy::<Flex>(false);
         let optimizer: OptimizerAdaptor<AdamW, Toy<A>, A> = OptimizerAdaptor::from(adamw().0);
         let update = Update::<A, _>::replicated(optimizer, FlatLayout::of_module(&model, 64));
         let learner = LearnerUpdate::new(update, UpdateGroups::from(&mesh), 0.0, vec![]);

@@ -21,6 +21,11 @@
 //! and 2.8e-5), so the 20-step comparison allows losses 1e-4
 //! apart and keeps the element bounds.
 //!
+//! Every wgpu run reads as burn-cuda may: with `WILDFIRE_MISALIGNED_READS=1`, each read through
+//! the decorator hands its bytes back one past an allocation's start, as slices of CubeCL's
+//! staging pool can be ([`device_env`]). A reader of device data that views such bytes in place
+//! fails the run; the values are the same, so every comparison holds as with aligned reads.
+//!
 //! Every test here needs a wgpu adapter: without one it prints why and is skipped, unless
 //! `WILDFIRE_REQUIRE_WGPU=1` (CI) makes that a failure.
 
@@ -55,6 +60,15 @@ fn device_args(dir: &Path, device: &str, extra: &[&str]) -> Vec<String> {
     args
 }
 
+/// The environment of a run on `device`: misaligned reads on wgpu (see the module doc), the
+/// CPU runs, the references, as they are.
+fn device_env(device: &str) -> &'static [(&'static str, &'static str)] {
+    match device {
+        "wgpu" => &[("WILDFIRE_MISALIGNED_READS", "1")],
+        _ => &[],
+    }
+}
+
 /// A run of one process on `device` with `extra`, which must succeed; on wgpu every fused op
 /// must have run its CubeCL kernel queued in Burn's fusion stream, and none the reference
 /// ([`assert_kernels_under_fusion`]).
@@ -66,7 +80,8 @@ fn single(name: &str, device: &str, extra: &[&str]) -> RunDir {
 fn single_with_output(name: &str, device: &str, extra: &[&str]) -> (RunDir, String) {
     let dir = run_dir(name);
     let args = device_args(&dir, device, extra);
-    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    let child = spawn_with_env(env!("CARGO_BIN_EXE_wildfire"), &args, device_env(device));
+    let out = finish(child, LIMIT);
     let printed = text(&out);
     assert!(out.status.success(), "{args:?}:\n{printed}");
     if device == "wgpu" {
@@ -137,7 +152,7 @@ fn assert_kernels_under_fusion(out: &str, what: &str) {
 fn launched(name: &str, device: &str, ranks: usize, port: u16, extra: &[&str]) -> RunDir {
     let dir = run_dir(name);
     let args = device_args(&dir, device, extra);
-    let out = launch(ranks, port, &args);
+    let out = launch_with_env(ranks, port, &args, device_env(device));
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
     if device == "wgpu" {
         assert_kernels_under_fusion(&text(&out), &format!("{args:?}"));
@@ -181,7 +196,8 @@ fn on_wgpu_the_recipe_trains_resumes_and_generates_as_on_cpu() {
         remove_checkpoints(&resumed, 11..=20);
         let mut args = device_args(&resumed, to, &twenty);
         args.push("--resume".into());
-        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+        let child = spawn_with_env(env!("CARGO_BIN_EXE_wildfire"), &args, device_env(to));
+        let out = finish(child, LIMIT);
         assert!(out.status.success(), "{what}:\n{}", text(&out));
         assert_trains_within(reference, &resumed, &what, TWENTY_STEPS);
     }
@@ -201,7 +217,8 @@ fn on_wgpu_the_recipe_trains_resumes_and_generates_as_on_cpu() {
             device,
         ]
         .map(String::from);
-        let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+        let child = spawn_with_env(env!("CARGO_BIN_EXE_wildfire"), &args, device_env(device));
+        let out = finish(child, LIMIT);
         assert!(
             out.status.success(),
             "generate on {device}:\n{}",

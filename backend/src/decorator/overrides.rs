@@ -9,7 +9,7 @@ use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use super::Parallel;
-use super::reads::count_read;
+use super::reads::{as_read, count_read};
 use crate::kernels::matmul::{self, matmul_precision, policy_matmul};
 use crate::kernels::route::on_flex;
 use crate::kernels::{self, add};
@@ -128,12 +128,13 @@ fn from_rows<B: Backend>(
 }
 
 /// Reading a float tensor to the host: the inner backend's read, counted as one blocking read
-/// of this thread ([`super::reads`]).
+/// of this thread, its bytes misaligned where the process asks for that ([`super::reads`]).
 pub(super) fn float_into_data<B: Backend>(
     tensor: FloatTensor<Parallel<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     count_read();
-    B::float_into_data(tensor)
+    let (read, as_read) = (B::float_into_data(tensor), as_read());
+    async move { read.await.map(as_read) }
 }
 
 /// Reading an int tensor to the host, counted as [`float_into_data`] is.
@@ -141,7 +142,8 @@ pub(super) fn int_into_data<B: Backend>(
     tensor: IntTensor<Parallel<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     count_read();
-    B::int_into_data(tensor)
+    let (read, as_read) = (B::int_into_data(tensor), as_read());
+    async move { read.await.map(as_read) }
 }
 
 /// Reading a bool tensor to the host, counted as [`float_into_data`] is.
@@ -149,5 +151,6 @@ pub(super) fn bool_into_data<B: Backend>(
     tensor: BoolTensor<Parallel<B>>,
 ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
     count_read();
-    B::bool_into_data(tensor)
+    let (read, as_read) = (B::bool_into_data(tensor), as_read());
+    async move { read.await.map(as_read) }
 }

@@ -11,8 +11,18 @@
 //! reads it too, but that read *is* the communication, which a device transport (NCCL) does
 //! without the host: such reads are not counted ([`CollectiveRead`] marks them). The count is
 //! per thread, so thread ranks each see their own.
+//!
+//! A read can also hand its bytes back misaligned, as burn-cuda's reads from CubeCL's staging
+//! pool may (`crate::host_data`): with `WILDFIRE_MISALIGNED_READS=1`, every read through
+//! the decorator returns its bytes one past an allocation's start, so a run on the CPU shows
+//! whether every reader of device data copes, as it must on a GPU. A test tool; off by default.
 
 use std::cell::Cell;
+use std::sync::OnceLock;
+
+use burn::tensor::TensorData;
+
+use crate::host_data::misaligned;
 
 thread_local! {
     static READS: Cell<u64> = const { Cell::new(0) };
@@ -30,6 +40,29 @@ pub(crate) fn count_read() {
     if IN_COLLECTIVE.with(Cell::get) == 0 {
         READS.with(|reads| reads.set(reads.get() + 1));
     }
+}
+
+/// Whether this process's reads hand their bytes back misaligned (see the module doc).
+fn misaligned_reads() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    #[cfg(test)]
+    if MISALIGNED_ON_THIS_THREAD.with(Cell::get) {
+        return true;
+    }
+    *ON.get_or_init(|| std::env::var("WILDFIRE_MISALIGNED_READS").is_ok_and(|v| v == "1"))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The switch for one test thread, where the environment would reach every test.
+    static MISALIGNED_ON_THIS_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// What a read returns for the `data` it got: `data`, or its bytes misaligned where this
+/// process asks for that (see the module doc). Decided when the read starts.
+pub(crate) fn as_read() -> impl Fn(TensorData) -> TensorData + Send {
+    let misalign = misaligned_reads();
+    move |data| if misalign { misaligned(data) } else { data }
 }
 
 /// While alive, this thread's reads are a collective's transfers and are not counted.
@@ -86,5 +119,34 @@ mod tests {
         assert_eq!(blocking_reads(), before + 4, "counting resumes after it");
         let elsewhere = std::thread::spawn(blocking_reads).join().unwrap();
         assert_eq!(elsewhere, 0, "another thread has its own count");
+    }
+
+    #[test]
+    fn reads_hand_back_misaligned_bytes_where_asked_and_the_readers_cope() {
+        let device = Default::default();
+        let values = [1.5f32, -2.0, 3.25];
+        let x = Tensor::<B, 1>::from_floats(values, &device);
+        let read = x.clone().into_data();
+        assert_eq!(
+            read.as_bytes().as_ptr().align_offset(4),
+            0,
+            "aligned unasked"
+        );
+        MISALIGNED_ON_THIS_THREAD.with(|on| on.set(true));
+        let read = x.clone().into_data();
+        let ints = Tensor::<B, 1, Int>::arange(0..3, &device).into_data();
+        MISALIGNED_ON_THIS_THREAD.with(|on| on.set(false));
+        for data in [&read, &ints] {
+            assert_ne!(data.as_bytes().as_ptr().align_offset(4), 0, "{data:?}");
+        }
+        assert!(
+            read.as_slice::<f32>().is_err(),
+            "Burn's in-place view fails"
+        );
+        assert_eq!(crate::host_data::host_values::<f32>(read).unwrap(), values);
+        assert_eq!(
+            crate::host_data::host_values::<i32>(ints).unwrap(),
+            [0, 1, 2]
+        );
     }
 }

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
 
+use wildfire_parallel::device_value::read_value;
 use wildfire_parallel::pp::PipelineChunk;
 
 use crate::TrainBackend;
@@ -77,7 +78,7 @@ impl<B: TrainBackend> TrainStep for GptChunks<B> {
     fn step(&self, batch: TokenBatch<B>) -> TrainOutput<StepOutput> {
         let (loss_sum, tokens) = batch_loss(self, &batch);
         let grads = (loss_sum.clone() * batch.loss_scale).backward();
-        let loss_sum = loss_sum.into_scalar().elem::<f64>();
+        let loss_sum = read_value(loss_sum);
         TrainOutput::new(
             self,
             grads,
@@ -97,7 +98,7 @@ impl<B: DecoratedBackend> InferenceStep for GptChunks<B> {
     fn step(&self, batch: TokenBatch<B>) -> StepOutput {
         let (loss_sum, tokens) = batch_loss(self, &batch);
         StepOutput {
-            loss_sum: loss_sum.into_scalar().elem(),
+            loss_sum: read_value(loss_sum),
             tokens,
             ..Default::default()
         }

@@ -127,8 +127,14 @@ pub fn finish(mut child: Child, limit: Duration) -> Output {
 }
 
 pub fn spawn(program: &str, args: &[String]) -> Child {
+    spawn_with_env(program, args, &[])
+}
+
+/// [`spawn`] with `vars` added to the child's environment.
+pub fn spawn_with_env(program: &str, args: &[String], vars: &[(&str, &str)]) -> Child {
     Command::new(program)
         .args(args)
+        .envs(vars.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -240,9 +246,17 @@ pub fn launch_args(ranks: usize, port: u16) -> Vec<String> {
 /// `wildfire launch --nproc-per-node ranks --master-port port -- wildfire <args>`, run to
 /// completion (or killed at [`LIMIT`]).
 pub fn launch(ranks: usize, port: u16, args: &[String]) -> Output {
+    launch_with_env(ranks, port, args, &[])
+}
+
+/// [`launch`] with `vars` added to the environment of the launcher and so of its ranks.
+pub fn launch_with_env(ranks: usize, port: u16, args: &[String], vars: &[(&str, &str)]) -> Output {
     let mut command = launch_args(ranks, port);
     command.extend_from_slice(args);
-    finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &command), LIMIT)
+    finish(
+        spawn_with_env(env!("CARGO_BIN_EXE_wildfire"), &command, vars),
+        LIMIT,
+    )
 }
 
 /// The largest `difference` between `run`'s checkpoint of each step and `reference`'s (both
