@@ -4,7 +4,13 @@
 //! Reading is strict: a field that would change the architecture and that the model does not
 //! implement (another activation, another rope type, a sliding window, …) is refused, naming
 //! the field, rather than ignored; fields that do not change the computation (token ids,
-//! dtypes, initialisation, caching) are ignored.
+//! dtypes, initialisation, caching, a sliding window switched off, every layer's type the full
+//! attention) are ignored.
+//!
+//! RoPE's settings come in two forms, both read: transformers ≥ 5 writes one `rope_parameters`
+//! object (`rope_type`, `rope_theta` and the scaling fields together); older checkpoints have
+//! `rope_theta` beside a `rope_scaling` object. Export writes what transformers 5 writes:
+//! `rope_parameters`, and `dtype` where older versions wrote `torch_dtype`.
 
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
@@ -44,20 +50,22 @@ fn gpt2_json(config: &GptConfig) -> anyhow::Result<Value> {
         // GPT-2's end-of-text token, where the vocabulary has it (a character-level one does not).
         "bos_token_id": (config.vocab_size > 50256).then_some(50256),
         "eos_token_id": (config.vocab_size > 50256).then_some(50256),
-        "torch_dtype": "float32"
+        "dtype": "float32"
     }))
 }
 
 fn llama_json(config: &GptConfig) -> Value {
-    let rope_scaling = config.rope_scaling.map(|s| {
-        json!({
+    let rope_parameters = match config.rope_scaling {
+        None => json!({"rope_type": "default", "rope_theta": config.rope_theta}),
+        Some(s) => json!({
             "rope_type": "llama3",
+            "rope_theta": config.rope_theta,
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_context,
-        })
-    });
+        }),
+    };
     json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -71,15 +79,14 @@ fn llama_json(config: &GptConfig) -> Value {
         "max_position_embeddings": config.context,
         "hidden_act": "silu",
         "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
         "attention_dropout": 0.0,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": 0.02,
         "pretraining_tp": 1,
-        "torch_dtype": "float32"
+        "dtype": "float32"
     })
 }
 
@@ -170,6 +177,18 @@ impl Fields<'_> {
         Ok(())
     }
 
+    /// Refuses a field of the object `name` outside `known`, naming it (a `partial_rotary_factor`
+    /// of 1, RoPE on the whole head, is known everywhere).
+    fn only_in(&self, name: &str, known: &[&str]) -> anyhow::Result<()> {
+        for (key, value) in self.0 {
+            let whole_head = key == "partial_rotary_factor" && value.as_f64() == Some(1.0);
+            if !(known.contains(&key.as_str()) || whole_head) {
+                bail!("config.json: {name}.{key} = {value} is not supported by wildfire's model");
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses `key` unless it is absent or `expected`.
     fn expect(&self, key: &str, expected: Value) -> anyhow::Result<()> {
         match self.get(key) {
@@ -232,13 +251,19 @@ fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
         "rms_norm_eps",
         "rope_theta",
         "rope_scaling",
+        "rope_parameters",
         "attention_bias",
         "mlp_bias",
         "tie_word_embeddings",
         "pretraining_tp",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
     ])?;
     f.expect("hidden_act", json!("silu"))?;
     f.expect("pretraining_tp", json!(1))?;
+    full_attention_everywhere(f)?;
     let (d_model, n_head) = (f.size("hidden_size")?, f.size("num_attention_heads")?);
     if f.get("head_dim").is_some() && f.size("head_dim")? * n_head != d_model {
         bail!(
@@ -255,6 +280,7 @@ fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
              model has biases in both or neither"
         );
     }
+    let (rope_theta, rope_scaling) = rope(f)?;
     Ok(GptConfig {
         kind: ModelKind::Llama,
         vocab_size: f.size("vocab_size")?,
@@ -269,28 +295,119 @@ fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
         dropout,
         bias: attention_bias,
         tie_embeddings: f.flag("tie_word_embeddings")?.unwrap_or(false),
-        rope_theta: f.number("rope_theta")?.unwrap_or(10_000.0),
-        rope_scaling: f.get("rope_scaling").map(rope_scaling).transpose()?,
+        rope_theta,
+        rope_scaling,
         norm_eps: f.number("rms_norm_eps")?.unwrap_or(1e-6),
     })
 }
 
-fn rope_scaling(json: &Value) -> anyhow::Result<Llama3Scaling> {
+/// Refuses any layer that attends other than fully and causally: a sliding window is accepted
+/// only where it is switched off (`use_sliding_window: false`, as Qwen2's configs ship it), and
+/// transformers 5's `layer_types` only with every layer `full_attention`.
+fn full_attention_everywhere(f: &Fields) -> anyhow::Result<()> {
+    if f.flag("use_sliding_window")? != Some(false) {
+        for key in ["sliding_window", "max_window_layers"] {
+            if let Some(value) = f.get(key) {
+                bail!(
+                    "config.json: field {key} = {value} is not supported by wildfire's model \
+                     (a sliding window is accepted only with use_sliding_window = false)"
+                );
+            }
+        }
+    }
+    f.expect("use_sliding_window", json!(false))?;
+    if let Some(types) = f.get("layer_types") {
+        let layers = f.size("num_hidden_layers")?;
+        let uniform = (types.as_array()).is_some_and(|types| {
+            types.len() == layers && types.iter().all(|t| t == "full_attention")
+        });
+        if !uniform {
+            bail!(
+                "config.json: layer_types = {types} is not supported: wildfire's model needs \
+                 \"full_attention\" for each of its {layers} layers"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// RoPE's base and Llama 3 scaling from either form (see the module doc). Both forms at once are
+/// refused, as is any `rope_type` but `default` and `llama3`.
+fn rope(f: &Fields) -> anyhow::Result<(f64, Option<Llama3Scaling>)> {
+    let theta = f.number("rope_theta")?;
+    let Some(parameters) = f.get("rope_parameters") else {
+        let scaling = (f.get("rope_scaling"))
+            .map(|json| llama3_scaling(json, "rope_scaling"))
+            .transpose()?;
+        return Ok((theta.unwrap_or(10_000.0), scaling));
+    };
+    if let Some(scaling) = f.get("rope_scaling") {
+        bail!(
+            "config.json: both rope_parameters = {parameters} and rope_scaling = {scaling}: \
+             one form only (transformers 5 writes rope_parameters)"
+        );
+    }
+    let p =
+        Fields((parameters.as_object()).context("config.json: rope_parameters is not an object")?);
+    let inner_theta = p.number("rope_theta")?;
+    if let (Some(outer), Some(inner)) = (theta, inner_theta)
+        && outer != inner
+    {
+        bail!("config.json: rope_theta = {outer} but rope_parameters.rope_theta = {inner}");
+    }
+    let theta = inner_theta.or(theta).unwrap_or(10_000.0);
+    match rope_type(&p, "rope_parameters")? {
+        "default" => {
+            p.only_in("rope_parameters", &["rope_type", "type", "rope_theta"])?;
+            Ok((theta, None))
+        }
+        _ => Ok((theta, Some(llama3_scaling(parameters, "rope_parameters")?))),
+    }
+}
+
+/// The `rope_type` (or older `type`) of a RoPE object named `name`: `default` when absent,
+/// refused unless `default` or `llama3`.
+fn rope_type<'a>(f: &'a Fields, name: &str) -> anyhow::Result<&'a str> {
+    let kind = (f.get("rope_type").or(f.get("type")))
+        .map(|v| {
+            v.as_str()
+                .with_context(|| format!("config.json: {name}.rope_type = {v} is not a string"))
+        })
+        .transpose()?
+        .unwrap_or("default");
+    match kind {
+        "default" | "llama3" => Ok(kind),
+        other => bail!(
+            "config.json: {name}.rope_type = {other:?} is not supported (default and llama3 are)"
+        ),
+    }
+}
+
+/// Llama 3's scaling from the RoPE object `json`, named `name` in errors (`rope_scaling`, or
+/// `rope_parameters` with its `rope_theta` beside the scaling fields).
+fn llama3_scaling(json: &Value, name: &str) -> anyhow::Result<Llama3Scaling> {
     let f = Fields(
         json.as_object()
-            .context("config.json: rope_scaling is not an object")?,
+            .with_context(|| format!("config.json: {name} is not an object"))?,
     );
-    let kind = f
-        .get("rope_type")
-        .or(f.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    if kind != "llama3" {
-        bail!("config.json: rope_scaling.rope_type = {kind:?} is not supported (llama3 is)");
+    if rope_type(&f, name)? != "llama3" {
+        bail!("config.json: {name}.rope_type = \"default\" scales nothing: drop {name}");
     }
+    f.only_in(
+        name,
+        &[
+            "rope_type",
+            "type",
+            "rope_theta",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+    )?;
     let number = |key: &str| {
         f.number(key)?
-            .with_context(|| format!("config.json: rope_scaling.{key} is missing"))
+            .with_context(|| format!("config.json: {name}.{key} is missing"))
     };
     Ok(Llama3Scaling {
         factor: number("factor")?,
@@ -317,6 +434,27 @@ mod tests {
             let json = to_json(&config).unwrap();
             assert_eq!(from_json(&json, 0.0).unwrap(), config, "{preset:?}");
         }
+    }
+
+    /// What export writes is what transformers 5 writes: `dtype`, and RoPE as one
+    /// `rope_parameters` object (`default` without scaling, `llama3` with it).
+    #[test]
+    fn export_writes_the_transformers_5_form() {
+        for (preset, rope_type) in [(Preset::LlamaTiny, "default"), (Preset::Llama1b, "llama3")] {
+            let config = preset.config(1000);
+            let json = to_json(&config).unwrap();
+            for old in ["torch_dtype", "rope_theta", "rope_scaling"] {
+                assert!(json.get(old).is_none(), "{preset:?}: {old} in {json}");
+            }
+            assert_eq!(json["dtype"], "float32");
+            let rope = &json["rope_parameters"];
+            assert_eq!(rope["rope_type"], rope_type, "{preset:?}");
+            assert_eq!(rope["rope_theta"], config.rope_theta, "{preset:?}");
+        }
+        assert_eq!(
+            to_json(&Preset::Gpt2.config(1000)).unwrap()["dtype"],
+            "float32"
+        );
     }
 
     /// Llama 3.2 1B's published config.json (the fields that matter, as Hugging Face ships them)
@@ -349,9 +487,106 @@ mod tests {
         odd["sliding_window"] = json!(4096);
         let err = from_json(&odd, 0.0).unwrap_err().to_string();
         assert!(err.contains("field sliding_window = 4096"), "{err}");
-        let mut odd = published;
+        let mut odd = published.clone();
         odd["rope_scaling"]["rope_type"] = json!("yarn");
         let err = from_json(&odd, 0.0).unwrap_err().to_string();
         assert!(err.contains("rope_type = \"yarn\""), "{err}");
+
+        // The same model as transformers 5 saves it: one rope_parameters object, `dtype`.
+        let mut v5 = published;
+        let map = v5.as_object_mut().unwrap();
+        let mut rope = map.remove("rope_scaling").unwrap();
+        rope["rope_theta"] = map.remove("rope_theta").unwrap();
+        map.insert("rope_parameters".into(), rope);
+        let dtype = map.remove("torch_dtype").unwrap();
+        map.insert("dtype".into(), dtype);
+        assert_eq!(
+            from_json(&v5, 0.0).unwrap(),
+            config,
+            "transformers 5's form"
+        );
+    }
+
+    /// A small Llama as transformers 5 writes it, with the fields that change nothing here.
+    fn llama_v5() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
+            "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "tie_word_embeddings": false, "transformers_version": "5.0.0"
+        })
+    }
+
+    /// RoPE in transformers 5's form, whatever else a config carries that changes nothing: a
+    /// sliding window switched off (Qwen2's configs), every layer's type the full attention.
+    #[test]
+    fn rope_parameters_and_inert_fields_are_read() {
+        let config = from_json(&llama_v5(), 0.0).unwrap();
+        assert_eq!((config.rope_theta, config.rope_scaling), (10_000.0, None));
+        let mut json = llama_v5();
+        json["rope_parameters"] = json!({"rope_theta": 500000.0, "partial_rotary_factor": 1.0});
+        json["use_sliding_window"] = json!(false);
+        json["sliding_window"] = json!(4096);
+        json["max_window_layers"] = json!(28);
+        json["layer_types"] = json!(["full_attention", "full_attention"]);
+        json["rope_theta"] = json!(500000.0);
+        let config = from_json(&json, 0.0).unwrap();
+        assert_eq!((config.rope_theta, config.rope_scaling), (500_000.0, None));
+        let mut json = llama_v5();
+        json["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192});
+        let scaling = from_json(&json, 0.0).unwrap().rope_scaling;
+        assert_eq!(scaling, Some(Llama3Scaling::llama3(8.0)));
+    }
+
+    /// What would change the computation is refused, naming the field and its value.
+    #[test]
+    fn rope_and_attention_settings_beyond_the_model_are_named() {
+        let cases: [(&str, Value, &str); 7] = [
+            (
+                "rope_parameters",
+                json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+                "rope_parameters.rope_type = \"yarn\" is not supported (default and llama3 are)",
+            ),
+            (
+                "rope_parameters",
+                json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                "rope_parameters.partial_rotary_factor = 0.5 is not supported",
+            ),
+            (
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 8.0}),
+                "both rope_parameters = ",
+            ),
+            (
+                "rope_theta",
+                json!(500000.0),
+                "rope_theta = 500000 but rope_parameters.rope_theta = 10000",
+            ),
+            (
+                "layer_types",
+                json!(["full_attention", "sliding_attention"]),
+                "layer_types = [\"full_attention\",\"sliding_attention\"] is not supported",
+            ),
+            (
+                "sliding_window",
+                json!(4096),
+                "field sliding_window = 4096 is not supported",
+            ),
+            (
+                "use_sliding_window",
+                json!(true),
+                "use_sliding_window = true is not supported",
+            ),
+        ];
+        for (key, value, expected) in cases {
+            let mut json = llama_v5();
+            json[key] = value;
+            let err = from_json(&json, 0.0).unwrap_err().to_string();
+            assert!(err.contains(expected), "{key}: {err}");
+        }
     }
 }
