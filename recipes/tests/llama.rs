@@ -15,7 +15,7 @@ use wildfire_recipes::data::TokenizerKind;
 use wildfire_recipes::generate::{Sampling, continue_tokens, load_model};
 use wildfire_recipes::hf::{self, files, names};
 use wildfire_recipes::model::params::collect_params;
-use wildfire_recipes::model::{Gpt, GptConfig, ModelKind, Preset, StageSpec};
+use wildfire_recipes::model::{Gpt, GptConfig, Llama3Scaling, ModelKind, Preset, StageSpec};
 use wildfire_recipes::{CpuBackend, checkpoint};
 
 use crate::common::*;
@@ -105,20 +105,41 @@ pub fn assert_cache_generates_as_full_recompute(dir: &std::path::Path) {
     );
 }
 
-/// A trained llama-tiny exported as Hugging Face weights, in one file and in shards of at most
-/// 1 MB (4 shards of its 3.2 MB), holds every parameter bitwise under Hugging Face's names and
-/// layouts, and imports back bitwise; `--init-from hf:DIR` takes the sizes from the directory's
-/// config.json and starts where the trained model ended. Where transformers is installed, it
-/// loads the export as LlamaForCausalLM with our logits (within 1e-4: the two sum in different
-/// orders) and our greedy continuation, token for token.
+/// A trained llama-tiny with Llama 3's RoPE (θ = 500,000, the frequencies scaled by 8 from a
+/// context of 16) exported as Hugging Face weights, in one file and in shards of at most 1 MB
+/// (4 shards of its 3.2 MB), holds every parameter bitwise under Hugging Face's names and
+/// layouts, and imports back bitwise; `--init-from hf:DIR` takes the sizes and the RoPE from the
+/// directory's config.json (written as transformers 5 writes it, `rope_parameters`) and starts
+/// where the trained model ended. Where transformers is installed, it loads the export as
+/// LlamaForCausalLM with our logits (within 1e-4: the two sum in different orders) and our
+/// greedy continuation, token for token.
 #[test]
 fn llama_hugging_face_weights_round_trip() {
-    let trained = llama_run("llama-hf-trained", &["--set", "train.max_steps=20"]);
+    let rope = [
+        "--set",
+        "model.rope_theta=500000",
+        "--set",
+        "model.rope_scaling.factor=8.0",
+        "--set",
+        "model.rope_scaling.low_freq_factor=1.0",
+        "--set",
+        "model.rope_scaling.high_freq_factor=4.0",
+        "--set",
+        "model.rope_scaling.original_context=16",
+    ];
+    let trained = llama_run(
+        "llama-hf-trained",
+        &[&rope[..], &["--set", "train.max_steps=20"]].concat(),
+    );
     let ours = params(&trained);
-    let config = Preset::LlamaTiny.config(76);
     let config = GptConfig {
         context: 32,
-        ..config
+        rope_theta: 500_000.0,
+        rope_scaling: Some(Llama3Scaling {
+            original_context: 16,
+            ..Llama3Scaling::llama3(8.0)
+        }),
+        ..Preset::LlamaTiny.config(76)
     };
     for (name, shard, files) in [("single", "5GB", 1), ("sharded", "1MB", 4)] {
         let out = trained.join(format!("hf-{name}"));
