@@ -108,11 +108,15 @@ pub struct ModelSection {
     /// Defaults to `n_head` (no grouping), or a Llama preset's.
     pub n_kv_head: Option<usize>,
     pub d_model: Option<usize>,
+    /// Width of one attention head (Llama); defaults to d_model / n_head.
+    pub head_dim: Option<usize>,
     /// Defaults to 4·d_model for GPT; a Llama model needs it (or its preset's).
     pub ffn_hidden: Option<usize>,
     pub context: Option<usize>,
     pub dropout: Option<f64>,
     pub bias: Option<bool>,
+    /// Biases on the query, key and value projections alone (Llama; Qwen2's); defaults to false.
+    pub qkv_bias: Option<bool>,
     pub tie_embeddings: Option<bool>,
     /// Defaults to the tokenizer's vocabulary; may be larger (padding, e.g. 50304 for GPT-2).
     pub vocab_size: Option<usize>,
@@ -617,6 +621,15 @@ impl ModelSection {
                 .or(llama_base.map(|b| b.n_kv_head))
                 .unwrap_or(n_head),
             d_model,
+            // A preset's head width holds while its heads and width do.
+            head_dim: self.head_dim.map_or_else(
+                || {
+                    (base.as_ref())
+                        .filter(|b| (b.d_model, b.n_head) == (d_model, n_head))
+                        .and_then(|b| b.head_dim)
+                },
+                |h| GptConfig::explicit_head_dim(d_model, n_head, h),
+            ),
             ffn_hidden,
             context: pick(self.context, base.as_ref().map(|b| b.context), "context")?,
             dropout: self
@@ -624,6 +637,9 @@ impl ModelSection {
                 .or(base.as_ref().map(|b| b.dropout))
                 .unwrap_or(0.0),
             bias: self.bias.or(base.as_ref().map(|b| b.bias)).unwrap_or(true),
+            qkv_bias: (self.qkv_bias)
+                .or(base.as_ref().map(|b| b.qkv_bias))
+                .unwrap_or(false),
             tie_embeddings: self
                 .tie_embeddings
                 .or(base.as_ref().map(|b| b.tie_embeddings))

@@ -11,6 +11,7 @@ mod cli;
 mod data_parallel;
 mod devices;
 mod fused_ops;
+mod hf_models;
 mod llama;
 mod pipeline;
 mod precision;

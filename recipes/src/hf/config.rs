@@ -1,5 +1,6 @@
 //! Hugging Face's `config.json` for the two model kinds: written beside an export, and read
-//! to take a model's sizes from its directory (`--init-from hf:DIR`).
+//! to take a model's sizes from its directory (`--init-from hf:DIR`). The Llama kind also reads
+//! and writes Qwen2 (`model_type` `qwen2`): Llama's block with biases on Q, K and V alone.
 //!
 //! Reading is strict: a field that would change the architecture and that the model does not
 //! implement (another activation, another rope type, a sliding window, …) is refused, naming
@@ -17,10 +18,12 @@ use serde_json::{Value, json};
 
 use crate::model::{GptConfig, Llama3Scaling, ModelKind, Preset};
 
-/// `config.json` of a `GPT2LMHeadModel` or a `LlamaForCausalLM` of these sizes.
+/// `config.json` of a `GPT2LMHeadModel`, a `LlamaForCausalLM` or (biases on Q, K and V alone)
+/// a `Qwen2ForCausalLM` of these sizes.
 pub fn to_json(config: &GptConfig) -> anyhow::Result<Value> {
     match config.kind {
         ModelKind::Gpt => gpt2_json(config),
+        ModelKind::Llama if config.qkv_bias && !config.bias => Ok(qwen2_json(config)),
         ModelKind::Llama => Ok(llama_json(config)),
     }
 }
@@ -54,8 +57,9 @@ fn gpt2_json(config: &GptConfig) -> anyhow::Result<Value> {
     }))
 }
 
-fn llama_json(config: &GptConfig) -> Value {
-    let rope_parameters = match config.rope_scaling {
+/// RoPE's settings as transformers 5 writes them.
+fn rope_parameters(config: &GptConfig) -> Value {
+    match config.rope_scaling {
         None => json!({"rope_type": "default", "rope_theta": config.rope_theta}),
         Some(s) => json!({
             "rope_type": "llama3",
@@ -65,7 +69,10 @@ fn llama_json(config: &GptConfig) -> Value {
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_context,
         }),
-    };
+    }
+}
+
+fn llama_json(config: &GptConfig) -> Value {
     json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -79,13 +86,36 @@ fn llama_json(config: &GptConfig) -> Value {
         "max_position_embeddings": config.context,
         "hidden_act": "silu",
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": rope_parameters,
+        "rope_parameters": rope_parameters(config),
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
         "attention_dropout": 0.0,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": 0.02,
         "pretraining_tp": 1,
+        "dtype": "float32"
+    })
+}
+
+fn qwen2_json(config: &GptConfig) -> Value {
+    json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim(),
+        "max_position_embeddings": config.context,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": rope_parameters(config),
+        "use_sliding_window": false,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": 0.02,
         "dtype": "float32"
     })
 }
@@ -119,8 +149,11 @@ pub fn from_json(json: &Value, dropout: f64) -> anyhow::Result<GptConfig> {
     );
     let config = match fields.str("model_type")? {
         "gpt2" => gpt2_from(&fields, dropout)?,
-        "llama" => llama_from(&fields, dropout)?,
-        other => bail!("config.json: model_type {other:?} is not supported (gpt2 or llama)"),
+        "llama" => llama_from(&fields, Family::Llama, dropout)?,
+        "qwen2" => llama_from(&fields, Family::Qwen2, dropout)?,
+        other => {
+            bail!("config.json: model_type {other:?} is not supported (gpt2, llama or qwen2)")
+        }
     };
     config
         .validate()
@@ -237,7 +270,15 @@ fn gpt2_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
     })
 }
 
-fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
+/// The models read as wildfire's Llama kind, by `model_type`.
+#[derive(Clone, Copy, PartialEq)]
+enum Family {
+    Llama,
+    /// Llama's block with biases on Q, K and V alone (Qwen2, Qwen2.5).
+    Qwen2,
+}
+
+fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptConfig> {
     f.only(&[
         "vocab_size",
         "hidden_size",
@@ -265,21 +306,32 @@ fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
     f.expect("pretraining_tp", json!(1))?;
     full_attention_everywhere(f)?;
     let (d_model, n_head) = (f.size("hidden_size")?, f.size("num_attention_heads")?);
-    if f.get("head_dim").is_some() && f.size("head_dim")? * n_head != d_model {
-        bail!(
-            "config.json: head_dim = {} is not hidden_size / num_attention_heads = {d_model} / \
-             {n_head}: wildfire's model needs them equal",
-            f.size("head_dim")?
-        );
-    }
-    let attention_bias = f.flag("attention_bias")?.unwrap_or(false);
-    let mlp_bias = f.flag("mlp_bias")?.unwrap_or(attention_bias);
-    if attention_bias != mlp_bias {
-        bail!(
-            "config.json: attention_bias = {attention_bias} and mlp_bias = {mlp_bias}: wildfire's \
-             model has biases in both or neither"
-        );
-    }
+    let head_dim = (f.get("head_dim"))
+        .map(|_| f.size("head_dim"))
+        .transpose()?
+        .and_then(|h| GptConfig::explicit_head_dim(d_model, n_head, h));
+    let (attention_bias, qkv_bias) = match family {
+        // Qwen2's Q, K and V always have biases, its output projection and MLP never.
+        Family::Qwen2 => {
+            for key in ["attention_bias", "mlp_bias"] {
+                if let Some(value) = f.get(key) {
+                    bail!("config.json: field {key} = {value} is not Qwen2's (biases on Q, K, V)");
+                }
+            }
+            (false, true)
+        }
+        Family::Llama => {
+            let attention_bias = f.flag("attention_bias")?.unwrap_or(false);
+            let mlp_bias = f.flag("mlp_bias")?.unwrap_or(attention_bias);
+            if attention_bias != mlp_bias {
+                bail!(
+                    "config.json: attention_bias = {attention_bias} and mlp_bias = {mlp_bias}: \
+                     wildfire's Llama has biases in both or neither"
+                );
+            }
+            (attention_bias, false)
+        }
+    };
     let (rope_theta, rope_scaling) = rope(f)?;
     Ok(GptConfig {
         kind: ModelKind::Llama,
@@ -290,10 +342,12 @@ fn llama_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
             .get("num_key_value_heads")
             .map_or(Ok(n_head), |_| f.size("num_key_value_heads"))?,
         d_model,
+        head_dim,
         ffn_hidden: f.size("intermediate_size")?,
         context: f.size("max_position_embeddings")?,
         dropout,
         bias: attention_bias,
+        qkv_bias,
         tie_embeddings: f.flag("tie_word_embeddings")?.unwrap_or(false),
         rope_theta,
         rope_scaling,
@@ -504,6 +558,61 @@ mod tests {
             from_json(&v5, 0.0).unwrap(),
             config,
             "transformers 5's form"
+        );
+    }
+
+    /// Qwen2.5 0.5B's published config.json reads as Llama's block with biases on Q, K and V
+    /// alone; written back, it is a Qwen2 config again (transformers 5's form) and reads the same.
+    #[test]
+    fn qwen2_config_reads_as_llama_with_qkv_biases() {
+        let published = json!({
+            "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+            "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+            "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+            "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+            "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "transformers_version": "4.40.1", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 151936
+        });
+        let config = from_json(&published, 0.0).unwrap();
+        let expected = GptConfig {
+            kind: ModelKind::Llama,
+            vocab_size: 151_936,
+            n_layer: 24,
+            n_head: 14,
+            n_kv_head: 2,
+            d_model: 896,
+            head_dim: None,
+            ffn_hidden: 4864,
+            context: 32_768,
+            dropout: 0.0,
+            bias: false,
+            qkv_bias: true,
+            tie_embeddings: true,
+            rope_theta: 1e6,
+            rope_scaling: None,
+            norm_eps: 1e-6,
+        };
+        assert_eq!(config, expected);
+        // 494 M parameters, as Qwen2.5-0.5B's model card counts them.
+        assert_eq!(config.parameter_count(), 494_032_768);
+        let written = to_json(&config).unwrap();
+        assert_eq!(written["model_type"], "qwen2");
+        assert_eq!(from_json(&written, 0.0).unwrap(), config);
+        // Heads set apart from the width (as Qwen3's and Mistral-Nemo's are) round-trip too.
+        let apart = GptConfig {
+            head_dim: Some(128),
+            ..config
+        };
+        assert_eq!(from_json(&to_json(&apart).unwrap(), 0.0).unwrap(), apart);
+        let mut odd = published;
+        odd["attention_bias"] = json!(true);
+        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        assert!(
+            err.contains("attention_bias = true is not Qwen2's"),
+            "{err}"
         );
     }
 

@@ -200,13 +200,13 @@ pub struct Norm<B: Backend> {
 pub struct CausalSelfAttention<B: Backend> {
     /// GPT's fused Q, K, V projection, `[d, 3d]`.
     pub c_attn: Option<ParallelLinear<B>>,
-    /// Llama's query projection, `[d, d]`.
+    /// Llama's query projection, `[d, n_head·d_head]` (`[d, d]` unless the heads are set apart).
     pub q_proj: Option<ParallelLinear<B>>,
     /// Llama's key projection, `[d, n_kv_head·d_head]`.
     pub k_proj: Option<ParallelLinear<B>>,
     /// Llama's value projection, `[d, n_kv_head·d_head]`.
     pub v_proj: Option<ParallelLinear<B>>,
-    /// Output projection, `[d, d]` (a residual projection: scaled initialisation).
+    /// Output projection, `[n_head·d_head, d]` (a residual projection: scaled initialisation).
     pub c_proj: ParallelLinear<B>,
     pub attn_dropout: Dropout,
     pub resid_dropout: Dropout,
@@ -215,6 +215,8 @@ pub struct CausalSelfAttention<B: Backend> {
     pub n_head: usize,
     /// The model's key/value heads.
     pub n_kv_head: usize,
+    /// The width of one head.
+    pub d_head: usize,
     /// Llama's rotary embedding of Q and K.
     #[module(skip)]
     pub rotary: Option<Rotary>,
@@ -351,34 +353,37 @@ impl<B: Backend> Block<B> {
     /// 0.02/√(2·n_layer): each block adds two residual branches, so the residual stream's variance
     /// stays independent of depth.
     fn new(config: &GptConfig, rotary: Option<&Rotary>, device: &B::Device) -> Self {
-        let (d, d_kv, f, bias) = (
+        let (d, d_q, d_kv, f, bias) = (
             config.d_model,
+            config.q_width(),
             config.kv_width(),
             config.ffn_hidden,
             config.bias,
         );
         let resid_std = INIT_STD / ((2 * config.n_layer) as f64).sqrt();
         let llama = config.kind == ModelKind::Llama;
-        let projection = |width| llama.then(|| linear([d, width], bias, INIT_STD, device));
+        let projection = |width, bias| llama.then(|| linear([d, width], bias, INIT_STD, device));
+        let qkv_bias = bias || config.qkv_bias;
         Self {
             ln_1: norm(config, device),
             attn: CausalSelfAttention {
                 c_attn: (!llama).then(|| linear([d, 3 * d], bias, INIT_STD, device)),
-                q_proj: projection(d),
-                k_proj: projection(d_kv),
-                v_proj: projection(d_kv),
-                c_proj: linear([d, d], bias, resid_std, device),
+                q_proj: projection(d_q, qkv_bias),
+                k_proj: projection(d_kv, qkv_bias),
+                v_proj: projection(d_kv, qkv_bias),
+                c_proj: linear([d_q, d], bias, resid_std, device),
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
                 n_head: config.n_head,
                 n_kv_head: config.n_kv_head,
+                d_head: config.head_dim(),
                 rotary: rotary.cloned(),
                 fused: true,
                 fused_rope: true,
             },
             ln_2: norm(config, device),
             mlp: Mlp {
-                gate: projection(f),
+                gate: projection(f, bias),
                 c_fc: linear([d, f], bias, INIT_STD, device),
                 c_proj: linear([f, d], bias, resid_std, device),
                 dropout: dropout(config),
@@ -439,7 +444,7 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
 impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// Width of one head.
     pub fn head_dim(&self) -> usize {
-        self.c_proj.weight.dims()[1] / self.n_head
+        self.d_head
     }
 
     /// Q, K and V of `x` (at positions `start..`, which Llama's rotation needs) in the fused

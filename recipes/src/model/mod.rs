@@ -62,13 +62,16 @@ pub struct GptConfig {
     pub vocab_size: usize,
     /// Transformer blocks.
     pub n_layer: usize,
-    /// Attention heads per block; `d_model % n_head == 0`.
+    /// Attention heads per block; `d_model % n_head == 0` unless `head_dim` is given.
     pub n_head: usize,
     /// Key/value heads (grouped-query attention, Llama): each serves `n_head / n_kv_head` query
     /// heads. `n_head` for GPT.
     pub n_kv_head: usize,
     /// Width of the residual stream.
     pub d_model: usize,
+    /// Width of one attention head where it is not `d_model / n_head` (Llama only: Qwen3 and
+    /// Mistral-Nemo set it apart); `None` where it is. See [`GptConfig::head_dim`].
+    pub head_dim: Option<usize>,
     /// Width of the MLP's hidden layer: 4·d_model for GPT-2, SwiGLU's width for Llama.
     pub ffn_hidden: usize,
     /// Longest sequence the model takes (the position embedding's rows; the RoPE tables).
@@ -77,6 +80,9 @@ pub struct GptConfig {
     pub dropout: f64,
     /// Biases in linear layers and LayerNorms (GPT-2 has them).
     pub bias: bool,
+    /// Biases on the query, key and value projections alone (Qwen2; Llama only): not on the
+    /// output projection or the MLP. `bias` puts them everywhere.
+    pub qkv_bias: bool,
     /// The LM head reuses the token embedding matrix (GPT-2 does).
     pub tie_embeddings: bool,
     /// RoPE's base θ (Llama).
@@ -99,10 +105,14 @@ struct StoredConfig {
     n_head: usize,
     n_kv_head: Option<usize>,
     d_model: usize,
+    #[serde(default)]
+    head_dim: Option<usize>,
     ffn_hidden: Option<usize>,
     context: usize,
     dropout: f64,
     bias: bool,
+    #[serde(default)]
+    qkv_bias: bool,
     tie_embeddings: bool,
     rope_theta: Option<f64>,
     rope_scaling: Option<Llama3Scaling>,
@@ -118,10 +128,12 @@ impl From<StoredConfig> for GptConfig {
             n_head: stored.n_head,
             n_kv_head: stored.n_kv_head.unwrap_or(stored.n_head),
             d_model: stored.d_model,
+            head_dim: stored.head_dim,
             ffn_hidden: stored.ffn_hidden.unwrap_or(4 * stored.d_model),
             context: stored.context,
             dropout: stored.dropout,
             bias: stored.bias,
+            qkv_bias: stored.qkv_bias,
             tie_embeddings: stored.tie_embeddings,
             rope_theta: stored.rope_theta.unwrap_or(10_000.0),
             rope_scaling: stored.rope_scaling,
@@ -162,10 +174,12 @@ impl Preset {
             n_head,
             n_kv_head: n_head,
             d_model,
+            head_dim: None,
             ffn_hidden: 4 * d_model,
             context,
             dropout: 0.0,
             bias: true,
+            qkv_bias: false,
             tie_embeddings: true,
             rope_theta: 10_000.0,
             rope_scaling: None,
@@ -215,8 +229,12 @@ pub enum ConfigError {
          attention needs model.kind = \"llama\""
     )]
     GroupedQueryInGpt { n_head: usize, n_kv_head: usize },
-    #[error("rotary embeddings need an even head width, and model.d_model / model.n_head = {0}")]
+    #[error("rotary embeddings need an even head width, and the head width is {0}")]
     OddHeadWidth(usize),
+    #[error(
+        "model.{field} needs model.kind = \"llama\" (GPT-2's fused QKV projection has neither)"
+    )]
+    LlamaOnly { field: &'static str },
     #[error("model.rope_theta = {0} must be above 1")]
     RopeTheta(f64),
     #[error("{0}")]
@@ -241,7 +259,20 @@ impl GptConfig {
                 return Err(ConfigError::Zero { field });
             }
         }
-        if !self.d_model.is_multiple_of(self.n_head) {
+        if self.head_dim == Some(0) {
+            return Err(ConfigError::Zero { field: "head_dim" });
+        }
+        if self.kind == ModelKind::Gpt {
+            for (field, set) in [
+                ("head_dim", self.head_dim.is_some()),
+                ("qkv_bias", self.qkv_bias),
+            ] {
+                if set {
+                    return Err(ConfigError::LlamaOnly { field });
+                }
+            }
+        }
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_head) {
             return Err(ConfigError::HeadsDoNotDivide {
                 d_model: self.d_model,
                 n_head: self.n_head,
@@ -274,9 +305,21 @@ impl GptConfig {
         Ok(())
     }
 
-    /// Width of one attention head.
+    /// Width of one attention head: `head_dim` where given, else `d_model / n_head`.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_head
+        self.head_dim.unwrap_or(self.d_model / self.n_head)
+    }
+
+    /// `head_dim` as this config stores it: `None` where it is `d_model / n_head` anyway, so
+    /// one model has one config however its sizes were written.
+    pub fn explicit_head_dim(d_model: usize, n_head: usize, head_dim: usize) -> Option<usize> {
+        (n_head == 0 || head_dim * n_head != d_model).then_some(head_dim)
+    }
+
+    /// Width of the query projection and the output projection's input: `n_head · head_dim`
+    /// (d unless `head_dim` sets the heads apart).
+    pub fn q_width(&self) -> usize {
+        self.n_head * self.head_dim()
     }
 
     /// Width of the key and value projections: `n_kv_head · head_dim` (d without grouping).
@@ -286,23 +329,29 @@ impl GptConfig {
 
     /// Parameters of the whole model, counting a tied embedding once.
     ///
-    /// Per block, with `d_kv` = [`Self::kv_width`] and `f` = `ffn_hidden`: Q and output
-    /// projections 2·d², K and V 2·d·d_kv, the MLP 2·d·f (GPT) or 3·d·f (SwiGLU's gate, up and
-    /// down), and with biases their d + 2·d_kv + d and f + d (2f + d gated) entries; two norms of
-    /// 2d (LayerNorm with a bias) or d. GPT-2 (d_kv = d, f = 4d) has 12d² weights per block.
+    /// Per block, with `d_q` = [`Self::q_width`], `d_kv` = [`Self::kv_width`] and `f` =
+    /// `ffn_hidden`: Q and output projections 2·d·d_q, K and V 2·d·d_kv, the MLP 2·d·f (GPT) or
+    /// 3·d·f (SwiGLU's gate, up and down), and with biases their d_q + 2·d_kv + d and f + d
+    /// (2f + d gated) entries (with `qkv_bias`, d_q + 2·d_kv); two norms of 2d (LayerNorm with a
+    /// bias) or d. GPT-2 (d_q = d_kv = d, f = 4d) has 12d² weights per block.
     /// Plus the token embedding V·d, GPT's position embedding T·d, the final norm and, untied,
     /// the head V·d.
     pub fn parameter_count(&self) -> usize {
-        let (d, d_kv, f) = (self.d_model, self.kv_width(), self.ffn_hidden);
+        let (d, d_q, d_kv, f) = (
+            self.d_model,
+            self.q_width(),
+            self.kv_width(),
+            self.ffn_hidden,
+        );
         let gated = self.kind == ModelKind::Llama;
         let norm = if self.bias && !gated { 2 * d } else { d };
         let (mlp_matrices, mlp_biases) = if gated { (3, 2 * f + d) } else { (2, f + d) };
-        let linear_biases = if self.bias {
-            2 * d + 2 * d_kv + mlp_biases
-        } else {
-            0
+        let linear_biases = match (self.bias, self.qkv_bias) {
+            (true, _) => d_q + 2 * d_kv + d + mlp_biases,
+            (false, true) => d_q + 2 * d_kv,
+            (false, false) => 0,
         };
-        let block = 2 * d * d + 2 * d * d_kv + mlp_matrices * d * f + linear_biases + 2 * norm;
+        let block = 2 * d * d_q + 2 * d * d_kv + mlp_matrices * d * f + linear_biases + 2 * norm;
         let head = if self.tie_embeddings {
             0
         } else {
@@ -455,6 +504,52 @@ mod tests {
             let config = preset.config(100);
             let json = serde_json::to_string(&config).unwrap();
             assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), config);
+        }
+    }
+
+    /// Heads set apart from the width and biases on Q, K and V alone build the parameters that
+    /// `parameter_count` counts; both are refused on GPT's fused QKV projection.
+    #[test]
+    fn llama_heads_apart_and_qkv_biases_count_their_parameters() {
+        let config = GptConfig {
+            head_dim: Some(48),
+            qkv_bias: true,
+            ..Preset::LlamaTiny.config(65)
+        };
+        assert_eq!((config.q_width(), config.kv_width()), (192, 96));
+        let model = Gpt::<Flex>::new(&config, StageSpec::whole(&config), &Default::default());
+        assert_eq!(model.num_params(), config.parameter_count());
+        let names: Vec<String> = params::collect_params(&model, 0)
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        for bias in ["q_proj", "k_proj", "v_proj"] {
+            assert!(
+                names.contains(&format!("blocks.0.attn.{bias}.bias")),
+                "{names:?}"
+            );
+        }
+        assert!(
+            !names.iter().any(|n| n.contains("c_proj.bias")),
+            "{names:?}"
+        );
+        for (config, field) in [
+            (
+                GptConfig {
+                    head_dim: Some(16),
+                    ..Preset::Tiny.config(65)
+                },
+                "head_dim",
+            ),
+            (
+                GptConfig {
+                    qkv_bias: true,
+                    ..Preset::Tiny.config(65)
+                },
+                "qkv_bias",
+            ),
+        ] {
+            assert_eq!(config.validate(), Err(ConfigError::LlamaOnly { field }));
         }
     }
 
