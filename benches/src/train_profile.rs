@@ -212,6 +212,7 @@ fn attention_core(block: &wildfire_recipes::model::Block<B>, x: Tensor<B, 3>) ->
         split(x),
         &block.attn.attn_dropout,
         None,
+        None,
     );
     y.swap_dims(1, 2).reshape([batch, seq, d])
 }

@@ -126,6 +126,8 @@ pub struct ModelSection {
     pub rope_scaling: Option<Llama3Scaling>,
     /// The norms' ε; defaults to 1e-5.
     pub norm_eps: Option<f64>,
+    /// Mistral's sliding window of attention (Llama), in keys; none by default.
+    pub sliding_window: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -655,6 +657,7 @@ impl ModelSection {
                 .norm_eps
                 .or(base.as_ref().map(|b| b.norm_eps))
                 .unwrap_or(1e-5),
+            sliding_window: (self.sliding_window).or(base.as_ref().and_then(|b| b.sliding_window)),
         };
         config.validate()?;
         Ok(config)

@@ -3,8 +3,9 @@
 //! transformers 5.25.0 by tests/python/make_hf_fixtures.py, beside the logits transformers
 //! computed at the prompt's last position and its greedy continuation by 20 tokens: Llama with
 //! Llama 3's scaled RoPE in transformers 5's config form and in the older one, Llama with its
-//! heads set apart from the width (`head_dim`), and Qwen2 (biases on Q, K and V alone, its
-//! sliding window switched off).
+//! heads set apart from the width (`head_dim`), Qwen2 (biases on Q, K and V alone, its sliding
+//! window switched off) and Mistral (a sliding window of 4 keys: the prompt of 8 and its
+//! continuation run past it, and the window moves the last logits by 7 in transformers).
 //!
 //! Each loads through `--init-from hf:DIR`'s reader and gives transformers' logits within 1e-4
 //! (the two sum in different orders; a greedy step's top logit leads by at least 1e-3 in every
@@ -26,7 +27,13 @@ use wildfire_recipes::model::{Gpt, GptConfig, StageSpec};
 use crate::common::*;
 
 /// The fixtures, by directory name.
-const FAMILIES: [&str; 4] = ["llama", "llama-older-config", "llama-head-dim", "qwen2"];
+const FAMILIES: [&str; 5] = [
+    "llama",
+    "llama-older-config",
+    "llama-head-dim",
+    "qwen2",
+    "mistral",
+];
 
 /// The largest difference allowed between our logits and transformers'.
 const LOGITS: f64 = 1e-4;

@@ -379,14 +379,23 @@ fn llama_trains_like_serial_under_every_layout() {
     assert_trains_like(&serial, &dir, "llama tp 4 sp, key/value heads shared");
 }
 
-/// Llama's block as Qwen's families shape it: heads set apart from the width (4 heads of 48 on
-/// a width of 128, as Qwen3 and Mistral-Nemo have them) and biases on Q, K and V alone (Qwen2).
-/// The plan splits the projections and their biases by heads as it does Llama's, so a 2-stage
-/// pipeline trains bitwise like serial training and tensor parallelism with sequence
-/// parallelism like serial within [`SUMMATION_ORDER`].
+/// Llama's block with every setting its families add: heads set apart from the width (4 heads of
+/// 48 on a width of 128, as Qwen3 and Mistral-Nemo have them), biases on Q, K and V alone
+/// (Qwen2) and a sliding window (Mistral; 8 keys of the 32-token windows trained on). The plan
+/// splits the projections and their biases by heads as it does Llama's, and the window is the
+/// same for every head and applies where the sequence is whole, so a 2-stage pipeline trains
+/// bitwise like serial training and tensor parallelism with sequence parallelism like serial
+/// within [`SUMMATION_ORDER`].
 #[test]
-fn llama_with_heads_apart_and_qkv_biases_trains_like_serial_when_split() {
-    let shape = ["--set", "model.head_dim=48", "--set", "model.qkv_bias=true"];
+fn llama_with_its_families_settings_trains_like_serial_when_split() {
+    let shape = [
+        "--set",
+        "model.head_dim=48",
+        "--set",
+        "model.qkv_bias=true",
+        "--set",
+        "model.sliding_window=8",
+    ];
     let serial = llama_run("qwen-shape-serial", &shape);
     let trained = params(&serial);
     assert_eq!(
@@ -398,7 +407,7 @@ fn llama_with_heads_apart_and_qkv_biases_trains_like_serial_when_split() {
 
     let pp2 = [&shape[..], &["--transport", "local", "--pp", "2"]].concat();
     let pipeline = llama_run("qwen-shape-pp2", &pp2);
-    assert_same_training(&serial, &pipeline, "heads apart, qkv biases: pp 2", 0.0);
+    assert_same_training(&serial, &pipeline, "family settings: pp 2", 0.0);
 
     let dir = run_dir("qwen-shape-tp2-sp");
     let args = llama_args(
@@ -407,7 +416,7 @@ fn llama_with_heads_apart_and_qkv_biases_trains_like_serial_when_split() {
     );
     let out = launch(2, 29746, &args);
     assert!(out.status.success(), "{args:?}:\n{}", text(&out));
-    assert_trains_like(&serial, &dir, "heads apart, qkv biases: tp 2 sp");
+    assert_trains_like(&serial, &dir, "family settings: tp 2 sp");
 }
 
 /// Layouts the Llama model cannot take are refused before training, naming the numbers.

@@ -18,13 +18,13 @@ use serde_json::{Value, json};
 
 use crate::model::{GptConfig, Llama3Scaling, ModelKind, Preset};
 
-/// `config.json` of a `GPT2LMHeadModel`, a `LlamaForCausalLM` or (biases on Q, K and V alone)
-/// a `Qwen2ForCausalLM` of these sizes.
+/// `config.json` of a `GPT2LMHeadModel`, or of the Llama kind's family that has these
+/// settings: `LlamaForCausalLM`, `Qwen2ForCausalLM` (biases on Q, K and V alone) or
+/// `MistralForCausalLM` (a sliding window).
 pub fn to_json(config: &GptConfig) -> anyhow::Result<Value> {
     match config.kind {
         ModelKind::Gpt => gpt2_json(config),
-        ModelKind::Llama if config.qkv_bias && !config.bias => Ok(qwen2_json(config)),
-        ModelKind::Llama => Ok(llama_json(config)),
+        ModelKind::Llama => llama_kind_json(config),
     }
 }
 
@@ -72,10 +72,14 @@ fn rope_parameters(config: &GptConfig) -> Value {
     }
 }
 
-fn llama_json(config: &GptConfig) -> Value {
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+/// `config.json` of a model of the Llama kind, as its family writes it: Llama's fields, and
+/// those that tell the family apart (see [`Family`]).
+fn llama_kind_json(config: &GptConfig) -> anyhow::Result<Value> {
+    let family = Family::of(config)?;
+    let (architecture, model_type) = family.names();
+    let mut json = json!({
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.ffn_hidden,
@@ -87,37 +91,21 @@ fn llama_json(config: &GptConfig) -> Value {
         "hidden_act": "silu",
         "rms_norm_eps": config.norm_eps,
         "rope_parameters": rope_parameters(config),
-        "attention_bias": config.bias,
-        "mlp_bias": config.bias,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "dtype": "float32"
-    })
-}
-
-fn qwen2_json(config: &GptConfig) -> Value {
-    json!({
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "intermediate_size": config.ffn_hidden,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_kv_head,
-        "head_dim": config.head_dim(),
-        "max_position_embeddings": config.context,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.norm_eps,
-        "rope_parameters": rope_parameters(config),
-        "use_sliding_window": false,
         "attention_dropout": 0.0,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": 0.02,
         "dtype": "float32"
-    })
+    });
+    let own = match family {
+        Family::Llama => json!({
+            "attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1
+        }),
+        Family::Qwen2 => json!({"use_sliding_window": false}),
+        Family::Mistral => json!({"sliding_window": config.sliding_window}),
+    };
+    let fields = json.as_object_mut().expect("an object");
+    fields.extend(own.as_object().expect("an object").clone());
+    Ok(json)
 }
 
 /// Fields that do not change what the model computes.
@@ -151,9 +139,10 @@ pub fn from_json(json: &Value, dropout: f64) -> anyhow::Result<GptConfig> {
         "gpt2" => gpt2_from(&fields, dropout)?,
         "llama" => llama_from(&fields, Family::Llama, dropout)?,
         "qwen2" => llama_from(&fields, Family::Qwen2, dropout)?,
-        other => {
-            bail!("config.json: model_type {other:?} is not supported (gpt2, llama or qwen2)")
-        }
+        "mistral" => llama_from(&fields, Family::Mistral, dropout)?,
+        other => bail!(
+            "config.json: model_type {other:?} is not supported (gpt2, llama, qwen2 or mistral)"
+        ),
     };
     config
         .validate()
@@ -270,12 +259,38 @@ fn gpt2_from(f: &Fields, dropout: f64) -> anyhow::Result<GptConfig> {
     })
 }
 
-/// The models read as wildfire's Llama kind, by `model_type`.
+/// The families of wildfire's Llama kind, by `model_type`.
 #[derive(Clone, Copy, PartialEq)]
 enum Family {
     Llama,
     /// Llama's block with biases on Q, K and V alone (Qwen2, Qwen2.5).
     Qwen2,
+    /// Llama's block with a sliding window of attention (Mistral 7B v0.1).
+    Mistral,
+}
+
+impl Family {
+    /// The family that holds a Llama-kind model of `config`, refusing settings none has.
+    fn of(config: &GptConfig) -> anyhow::Result<Self> {
+        match (config.sliding_window, config.qkv_bias, config.bias) {
+            (None, true, false) => Ok(Self::Qwen2),
+            (None, _, _) => Ok(Self::Llama),
+            (Some(_), false, false) => Ok(Self::Mistral),
+            (Some(window), qkv_bias, bias) => bail!(
+                "model.sliding_window = {window} with model.qkv_bias = {qkv_bias} and \
+                 model.bias = {bias}: no Hugging Face family has a window with biases"
+            ),
+        }
+    }
+
+    /// The class and `model_type` transformers knows the family by.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Llama => ("LlamaForCausalLM", "llama"),
+            Self::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Self::Mistral => ("MistralForCausalLM", "mistral"),
+        }
+    }
 }
 
 fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptConfig> {
@@ -304,21 +319,40 @@ fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptCon
     ])?;
     f.expect("hidden_act", json!("silu"))?;
     f.expect("pretraining_tp", json!(1))?;
-    full_attention_everywhere(f)?;
+    let sliding_window = match family {
+        // Mistral's window applies to every layer (null: none).
+        Family::Mistral => {
+            for key in ["use_sliding_window", "max_window_layers", "layer_types"] {
+                if let Some(value) = f.get(key) {
+                    bail!("config.json: field {key} = {value} is not Mistral's");
+                }
+            }
+            (f.get("sliding_window"))
+                .map(|_| f.size("sliding_window"))
+                .transpose()?
+        }
+        Family::Llama | Family::Qwen2 => {
+            full_attention_everywhere(f)?;
+            None
+        }
+    };
     let (d_model, n_head) = (f.size("hidden_size")?, f.size("num_attention_heads")?);
     let head_dim = (f.get("head_dim"))
         .map(|_| f.size("head_dim"))
         .transpose()?
         .and_then(|h| GptConfig::explicit_head_dim(d_model, n_head, h));
     let (attention_bias, qkv_bias) = match family {
-        // Qwen2's Q, K and V always have biases, its output projection and MLP never.
-        Family::Qwen2 => {
+        // Qwen2's Q, K and V always have biases, its output projection and MLP never; Mistral
+        // has none.
+        Family::Qwen2 | Family::Mistral => {
+            let qwen2 = family == Family::Qwen2;
             for key in ["attention_bias", "mlp_bias"] {
                 if let Some(value) = f.get(key) {
-                    bail!("config.json: field {key} = {value} is not Qwen2's (biases on Q, K, V)");
+                    let (_, model_type) = family.names();
+                    bail!("config.json: field {key} = {value} is not {model_type}'s");
                 }
             }
-            (false, true)
+            (false, qwen2)
         }
         Family::Llama => {
             let attention_bias = f.flag("attention_bias")?.unwrap_or(false);
@@ -352,6 +386,7 @@ fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptCon
         rope_theta,
         rope_scaling,
         norm_eps: f.number("rms_norm_eps")?.unwrap_or(1e-6),
+        sliding_window,
     })
 }
 
@@ -594,6 +629,7 @@ mod tests {
             rope_theta: 1e6,
             rope_scaling: None,
             norm_eps: 1e-6,
+            sliding_window: None,
         };
         assert_eq!(config, expected);
         // 494 M parameters, as Qwen2.5-0.5B's model card counts them.
@@ -611,7 +647,49 @@ mod tests {
         odd["attention_bias"] = json!(true);
         let err = from_json(&odd, 0.0).unwrap_err().to_string();
         assert!(
-            err.contains("attention_bias = true is not Qwen2's"),
+            err.contains("attention_bias = true is not qwen2's"),
+            "{err}"
+        );
+    }
+
+    /// Mistral 7B v0.1's published config.json reads as Llama's block with a sliding window of
+    /// 4,096 keys (7.24 B parameters, as published), and is written back as a Mistral config; a
+    /// window with biases belongs to no family and is refused on export.
+    #[test]
+    fn mistral_config_reads_as_llama_with_a_window() {
+        let published = json!({
+            "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+            "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+            "intermediate_size": 14336, "max_position_embeddings": 32768,
+            "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+            "sliding_window": 4096, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "transformers_version": "4.34.0.dev0", "use_cache": true, "vocab_size": 32000
+        });
+        let config = from_json(&published, 0.0).unwrap();
+        assert_eq!(config.sliding_window, Some(4096));
+        assert_eq!(
+            (config.n_head, config.n_kv_head, config.qkv_bias),
+            (32, 8, false)
+        );
+        assert_eq!(config.parameter_count(), 7_241_732_096);
+        let written = to_json(&config).unwrap();
+        assert_eq!(written["model_type"], "mistral");
+        assert_eq!(from_json(&written, 0.0).unwrap(), config);
+        let biased = GptConfig {
+            qkv_bias: true,
+            ..config
+        };
+        let err = to_json(&biased).unwrap_err().to_string();
+        assert!(
+            err.contains("model.sliding_window = 4096 with model.qkv_bias = true"),
+            "{err}"
+        );
+        let mut odd = published;
+        odd["use_sliding_window"] = json!(true);
+        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        assert!(
+            err.contains("use_sliding_window = true is not Mistral's"),
             "{err}"
         );
     }

@@ -229,6 +229,10 @@ pub struct CausalSelfAttention<B: Backend> {
     /// (`wildfire_backend::kernels::rope`).
     #[module(skip)]
     pub fused_rope: bool,
+    /// Mistral's sliding window (see `GptConfig::sliding_window`). The fused attention op has
+    /// no window, so a windowed model runs the decomposed attention.
+    #[module(skip)]
+    pub window: Option<usize>,
 }
 
 /// `c_proj(gelu_tanh(c_fc(x)))` (GPT, hidden width 4d), or SwiGLU
@@ -377,6 +381,7 @@ impl<B: Backend> Block<B> {
                 n_head: config.n_head,
                 n_kv_head: config.n_kv_head,
                 d_head: config.head_dim(),
+                window: config.sliding_window,
                 rotary: rotary.cloned(),
                 fused: true,
                 fused_rope: true,
@@ -408,7 +413,8 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
     /// `x: [batch, seq, d] → [batch, seq, d]` (under sequence parallelism, this rank's part of
     /// the sequence in and out; the QKV projection gathers the whole sequence).
     pub fn forward(&self, x: Tensor<B, 3>, tp: &TensorParallel<B>) -> Tensor<B, 3> {
-        let y = match (self.fused && self.attn_dropout.prob == 0.0, &self.c_attn) {
+        let fused = self.fused && self.attn_dropout.prob == 0.0 && self.window.is_none();
+        let y = match (fused, &self.c_attn) {
             (true, Some(_)) => fused_qkv_attention(self.sections(x, 0), true),
             // Llama's key/value heads read where they lie, shared by their query heads.
             (true, None) => {
@@ -418,7 +424,7 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             (false, _) => {
                 let [q, k, v] = unpack(self.sections(x, 0));
                 let head_part = self.head_part(q.dims()[1]);
-                causal_attention(q, k, v, &self.attn_dropout, head_part)
+                causal_attention(q, k, v, &self.attn_dropout, head_part, self.window)
             }
         };
         let [batch, heads, seq, d_head] = y.dims();
@@ -514,23 +520,49 @@ fn repeat_heads<B: Backend>(x: Tensor<B, 4>, g: usize) -> Tensor<B, 4> {
 }
 
 /// `softmax(QKᵀ/√d_head + M) V` on `[batch, heads, seq, d_head]` tensors, M = −∞ where the key
-/// comes after the query; the attention weights' dropout mask is `heads`'s part of the whole
-/// model's (see [`dropout_part`]). The decomposed form, for attention with dropout (and for
-/// comparison): without dropout the model runs fused attention.
+/// comes after the query, or (with a sliding `window`) `window` or more positions before it; the
+/// attention weights' dropout mask is `heads`'s part of the whole model's (see
+/// [`dropout_part`]). The decomposed form, for attention with dropout or a window (and for
+/// comparison): otherwise the model runs fused attention.
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     dropout: &Dropout,
     heads: Option<ActivationPart>,
+    window: Option<usize>,
 ) -> Tensor<B, 4> {
     let [_, _, seq, d_head] = q.dims();
     // Scaling Q (T·d_head entries per head) rather than the scores (T·T) is the same product.
     let scores = (q * (1.0 / (d_head as f64).sqrt())).matmul(k.swap_dims(2, 3));
-    let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
-    let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
+    let hidden = match window {
+        None => Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device()),
+        Some(_) => hidden_keys(0..seq, seq, window, &scores.device()),
+    };
+    let scores = scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY);
     let weights = in_fp32(scores, |scores| softmax(scores, 3));
     dropout_part(dropout, weights, heads).matmul(v)
+}
+
+/// Whether the query at position `query` cannot see the key at position `key`: a later key, or
+/// one `window` or more positions back.
+pub fn is_hidden(query: usize, key: usize, window: Option<usize>) -> bool {
+    key > query || window.is_some_and(|w| query - key >= w)
+}
+
+/// `[queries, keys]`, true where the query at each position of `queries` cannot see the key at
+/// each position `0..keys` ([`is_hidden`]).
+pub fn hidden_keys<B: Backend>(
+    queries: std::ops::Range<usize>,
+    keys: usize,
+    window: Option<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2, Bool> {
+    let rows = queries.len();
+    let hidden: Vec<bool> = queries
+        .flat_map(|i| (0..keys).map(move |j| is_hidden(i, j, window)))
+        .collect();
+    Tensor::from_data(TensorData::new(hidden, [rows, keys]), device)
 }
 
 impl<B: DecoratedBackend> Mlp<B> {

@@ -9,12 +9,13 @@
 //! `crate::generate`).
 
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use wildfire_backend::DecoratedBackend;
 use wildfire_backend::kernels::attention::unpack;
 use wildfire_parallel::precision::in_fp32;
 use wildfire_parallel::tp::TensorParallel;
 
+use super::gpt::hidden_keys;
 use super::{Block, CausalSelfAttention, Gpt};
 
 /// Keys and values `[batch, heads, positions, d_head]` of every block, for positions
@@ -96,14 +97,14 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
         };
         *kv = Some([k.clone(), v.clone()]);
         let scores = (q * (1.0 / (d_head as f64).sqrt())).matmul(k.swap_dims(2, 3));
-        let keys = start + seq;
-        // Query i (position start + i) sees keys 0..=start + i.
-        let future: Vec<bool> = (0..seq)
-            .flat_map(|i| (0..keys).map(move |j| j > start + i))
-            .collect();
-        let future =
-            Tensor::<B, 2, Bool>::from_data(TensorData::new(future, [seq, keys]), &scores.device());
-        let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
+        // Query i (position start + i) sees keys 0..=start + i, the last `window` of them.
+        let hidden = hidden_keys(
+            start..start + seq,
+            start + seq,
+            self.window,
+            &scores.device(),
+        );
+        let scores = scores.mask_fill(hidden.unsqueeze::<4>(), f32::NEG_INFINITY);
         let weights = in_fp32(scores, |scores| softmax(scores, 3));
         let y = weights
             .matmul(v)

@@ -91,6 +91,9 @@ pub struct GptConfig {
     pub rope_scaling: Option<Llama3Scaling>,
     /// The norms' ε (added to the variance, or to the mean square).
     pub norm_eps: f64,
+    /// Mistral's sliding window (Llama only): a query at position i attends to the keys at
+    /// positions i − w < j ≤ i, `w` of them at most; `None` attends to every earlier one.
+    pub sliding_window: Option<usize>,
 }
 
 /// A [`GptConfig`] as checkpoints store it: those written before the Llama kind existed lack
@@ -117,6 +120,8 @@ struct StoredConfig {
     rope_theta: Option<f64>,
     rope_scaling: Option<Llama3Scaling>,
     norm_eps: Option<f64>,
+    #[serde(default)]
+    sliding_window: Option<usize>,
 }
 
 impl From<StoredConfig> for GptConfig {
@@ -138,6 +143,7 @@ impl From<StoredConfig> for GptConfig {
             rope_theta: stored.rope_theta.unwrap_or(10_000.0),
             rope_scaling: stored.rope_scaling,
             norm_eps: stored.norm_eps.unwrap_or(1e-5),
+            sliding_window: stored.sliding_window,
         }
     }
 }
@@ -184,6 +190,7 @@ impl Preset {
             rope_theta: 10_000.0,
             rope_scaling: None,
             norm_eps: 1e-5,
+            sliding_window: None,
         };
         let llama = |n_layer, (n_head, n_kv_head), d_model, ffn_hidden, context| GptConfig {
             kind: ModelKind::Llama,
@@ -259,13 +266,19 @@ impl GptConfig {
                 return Err(ConfigError::Zero { field });
             }
         }
-        if self.head_dim == Some(0) {
-            return Err(ConfigError::Zero { field: "head_dim" });
+        for (field, value) in [
+            ("head_dim", self.head_dim),
+            ("sliding_window", self.sliding_window),
+        ] {
+            if value == Some(0) {
+                return Err(ConfigError::Zero { field });
+            }
         }
         if self.kind == ModelKind::Gpt {
             for (field, set) in [
                 ("head_dim", self.head_dim.is_some()),
                 ("qkv_bias", self.qkv_bias),
+                ("sliding_window", self.sliding_window.is_some()),
             ] {
                 if set {
                     return Err(ConfigError::LlamaOnly { field });
@@ -551,6 +564,58 @@ mod tests {
         ] {
             assert_eq!(config.validate(), Err(ConfigError::LlamaOnly { field }));
         }
+    }
+
+    /// A sliding window of `w` hides later keys and those `w` or more positions back; one as
+    /// long as the sequence hides what causality hides, so the model computes the same bits.
+    #[test]
+    fn a_sliding_window_hides_the_keys_it_slides_past() {
+        use super::gpt::is_hidden;
+        let seen = |query: usize, window| -> Vec<usize> {
+            (0..8)
+                .filter(|&key| !is_hidden(query, key, window))
+                .collect()
+        };
+        assert_eq!(seen(5, None), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(seen(5, Some(3)), [3, 4, 5]);
+        assert_eq!(seen(1, Some(3)), [0, 1]);
+        let config = Preset::LlamaTiny.config(65);
+        let device = Default::default();
+        CpuBackend::seed(&device, 5);
+        // The same decomposed ops on both sides (a windowed model runs no fused attention).
+        let decomposed = wildfire_backend::kernels::choice::FusedOps::all(false);
+        let model = Gpt::<CpuBackend>::new(&config, StageSpec::whole(&config), &device)
+            .with_fused_ops(decomposed);
+        let windowed = GptConfig {
+            sliding_window: Some(16),
+            ..config.clone()
+        };
+        CpuBackend::seed(&device, 5);
+        let with_window = Gpt::<CpuBackend>::new(&windowed, StageSpec::whole(&windowed), &device)
+            .with_fused_ops(decomposed);
+        let tokens = Tensor::<CpuBackend, 1, Int>::arange(0..32, &device)
+            .remainder_scalar(65)
+            .reshape([2, 16]);
+        let logits = |model: &Gpt<CpuBackend>| -> Vec<f32> {
+            model.forward(tokens.clone()).into_data().to_vec().unwrap()
+        };
+        assert_eq!(
+            logits(&model),
+            logits(&with_window),
+            "a window as long as the sequence"
+        );
+        let narrow = GptConfig {
+            sliding_window: Some(4),
+            ..config
+        };
+        CpuBackend::seed(&device, 5);
+        let narrow = Gpt::<CpuBackend>::new(&narrow, StageSpec::whole(&narrow), &device)
+            .with_fused_ops(decomposed);
+        assert_ne!(
+            logits(&model),
+            logits(&narrow),
+            "a window of 4 in a sequence of 16"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 TRANSFORMERS = "5.25.0"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "hf")
@@ -46,18 +46,30 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=16,
 )
 
+# Each fixture's seed and config.
 FIXTURES = {
     # Llama 3's scaled RoPE, as transformers 5 writes it (`rope_parameters`).
-    "llama": LlamaConfig(**SIZES, rope_parameters=dict(LLAMA3_ROPE)),
+    "llama": (0, LlamaConfig(**SIZES, rope_parameters=dict(LLAMA3_ROPE))),
     # Heads set apart from the width: 4 heads of 16 on a width of 32 (Qwen3's, Mistral-Nemo's).
-    "llama-head-dim": LlamaConfig(**SIZES, head_dim=16, rope_parameters={"rope_theta": 10000.0}),
+    "llama-head-dim": (
+        1,
+        LlamaConfig(**SIZES, head_dim=16, rope_parameters={"rope_theta": 10000.0}),
+    ),
     # Qwen2: biases on Q, K and V alone; a sliding window switched off, as Qwen2 ships it.
-    "qwen2": Qwen2Config(
-        **SIZES,
-        use_sliding_window=False,
-        sliding_window=4096,
-        max_window_layers=2,
-        rope_parameters={"rope_theta": 1000000.0},
+    "qwen2": (
+        2,
+        Qwen2Config(
+            **SIZES,
+            use_sliding_window=False,
+            sliding_window=4096,
+            max_window_layers=2,
+            rope_parameters={"rope_theta": 1000000.0},
+        ),
+    ),
+    # Mistral: a sliding window of 4 keys, well inside the prompt and its continuation.
+    "mistral": (
+        3,
+        MistralConfig(**SIZES, sliding_window=4, rope_parameters={"rope_theta": 10000.0}),
     ),
 }
 
@@ -107,7 +119,7 @@ def older_form(config_path):
 def main():
     if transformers.__version__ != TRANSFORMERS:
         sys.exit(f"transformers {transformers.__version__}: the fixtures are made with {TRANSFORMERS}")
-    for seed, (name, config) in enumerate(sorted(FIXTURES.items())):
+    for name, (seed, config) in sorted(FIXTURES.items()):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         draw(model, seed)
         dirs = [name] + (["llama-older-config"] if name == "llama" else [])
