@@ -117,6 +117,8 @@ pub struct ModelSection {
     pub bias: Option<bool>,
     /// Biases on the query, key and value projections alone (Llama; Qwen2's); defaults to false.
     pub qkv_bias: Option<bool>,
+    /// An RMSNorm of each head of Q and K (Llama; Qwen3's); defaults to false.
+    pub qk_norm: Option<bool>,
     pub tie_embeddings: Option<bool>,
     /// Defaults to the tokenizer's vocabulary; may be larger (padding, e.g. 50304 for GPT-2).
     pub vocab_size: Option<usize>,
@@ -641,6 +643,9 @@ impl ModelSection {
             bias: self.bias.or(base.as_ref().map(|b| b.bias)).unwrap_or(true),
             qkv_bias: (self.qkv_bias)
                 .or(base.as_ref().map(|b| b.qkv_bias))
+                .unwrap_or(false),
+            qk_norm: (self.qk_norm)
+                .or(base.as_ref().map(|b| b.qk_norm))
                 .unwrap_or(false),
             tie_embeddings: self
                 .tie_embeddings

@@ -4,7 +4,7 @@
 //! computed at the prompt's last position and its greedy continuation by 20 tokens: Llama with
 //! Llama 3's scaled RoPE in transformers 5's config form and in the older one, Llama with its
 //! heads set apart from the width (`head_dim`), Qwen2 (biases on Q, K and V alone, its sliding
-//! window switched off) and Mistral (a sliding window of 4 keys: the prompt of 8 and its
+//! window switched off), Qwen3 (an RMSNorm of each head of Q and K) and Mistral (a sliding window of 4 keys: the prompt of 8 and its
 //! continuation run past it, and the window moves the last logits by 7 in transformers).
 //!
 //! Each loads through `--init-from hf:DIR`'s reader and gives transformers' logits within 1e-4
@@ -27,11 +27,12 @@ use wildfire_recipes::model::{Gpt, GptConfig, StageSpec};
 use crate::common::*;
 
 /// The fixtures, by directory name.
-const FAMILIES: [&str; 5] = [
+const FAMILIES: [&str; 6] = [
     "llama",
     "llama-older-config",
     "llama-head-dim",
     "qwen2",
+    "qwen3",
     "mistral",
 ];
 

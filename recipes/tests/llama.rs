@@ -381,11 +381,12 @@ fn llama_trains_like_serial_under_every_layout() {
 
 /// Llama's block with every setting its families add: heads set apart from the width (4 heads of
 /// 48 on a width of 128, as Qwen3 and Mistral-Nemo have them), biases on Q, K and V alone
-/// (Qwen2) and a sliding window (Mistral; 8 keys of the 32-token windows trained on). The plan
-/// splits the projections and their biases by heads as it does Llama's, and the window is the
-/// same for every head and applies where the sequence is whole, so a 2-stage pipeline trains
-/// bitwise like serial training and tensor parallelism with sequence parallelism like serial
-/// within [`SUMMATION_ORDER`].
+/// (Qwen2), an RMSNorm of each head of Q and K (Qwen3) and a sliding window (Mistral; 8 keys of
+/// the 32-token windows trained on). The plan splits the projections and their biases by heads
+/// as it does Llama's, sums the head norms' gradients over the tensor-parallel group (each rank
+/// normalises its own heads), and the window is the same for every head and applies where the
+/// sequence is whole, so a 2-stage pipeline trains bitwise like serial training and tensor
+/// parallelism with sequence parallelism like serial within [`SUMMATION_ORDER`].
 #[test]
 fn llama_with_its_families_settings_trains_like_serial_when_split() {
     let shape = [
@@ -395,6 +396,8 @@ fn llama_with_its_families_settings_trains_like_serial_when_split() {
         "model.qkv_bias=true",
         "--set",
         "model.sliding_window=8",
+        "--set",
+        "model.qk_norm=true",
     ];
     let serial = llama_run("qwen-shape-serial", &shape);
     let trained = params(&serial);
@@ -404,6 +407,7 @@ fn llama_with_its_families_settings_trains_like_serial_when_split() {
     );
     assert!(trained.contains_key("blocks.0.attn.k_proj.bias"));
     assert!(!trained.contains_key("blocks.0.attn.c_proj.bias"));
+    assert_eq!(trained["blocks.0.attn.q_norm.gamma"].shape.to_vec(), [48]);
 
     let pp2 = [&shape[..], &["--transport", "local", "--pp", "2"]].concat();
     let pipeline = llama_run("qwen-shape-pp2", &pp2);

@@ -39,14 +39,17 @@ use std::time::Duration;
 
 use crate::common::*;
 use burn::backend::Autodiff;
+use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_backend::comm::{CommOptions, OpKind, ProcessGroup, run_thread_ranks};
-use wildfire_parallel::tp::{TpPlan, apply_plan};
+use wildfire_parallel::tp::{SequencePartial, TpPlan, apply_plan};
 use wildfire_recipes::CpuBackend;
 use wildfire_recipes::checkpoint::store::{cut_box, paste_box};
 use wildfire_recipes::model::params::collect_params;
-use wildfire_recipes::model::{Gpt, GptConfig, Preset, SEQUENCE_DIM, StageSpec, whole_model_rules};
+use wildfire_recipes::model::{
+    Gpt, GptConfig, Norm, Preset, SEQUENCE_DIM, StageSpec, whole_model_rules,
+};
 
 /// 77 % 2 and 77 % 4 are not 0: the vocabulary splits unevenly (no padding).
 const VOCAB: [&str; 2] = ["--set", "model.vocab_size=77"];
@@ -377,6 +380,47 @@ fn sharded_parameters_are_bitwise_slices_of_the_serial_model() {
     }
 }
 
+/// The block tests' sequence length; their input is `[2, BLOCK_SEQ, d]`.
+const BLOCK_SEQ: usize = 8;
+
+/// The block tests' input `[2, BLOCK_SEQ, d]`, the same on every rank.
+fn block_input(d: usize) -> Tensor<B, 3> {
+    let values: Vec<f32> = (0..2 * BLOCK_SEQ * d)
+        .map(|i| ((i * 7919 % 2001) as f32 / 1000.0) - 1.0)
+        .collect();
+    Tensor::from_data(
+        TensorData::new(values, [2, BLOCK_SEQ, d]),
+        &Default::default(),
+    )
+}
+
+/// The model of `config` drawn from `seed`, one rank at a time (the generator is the process's).
+fn drawn(config: &GptConfig, seed: u64) -> Gpt<B> {
+    let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
+    let device = Default::default();
+    B::seed(&device, seed);
+    Gpt::<B>::new(config, StageSpec::whole(config), &device)
+}
+
+/// `model` split by `config`'s plan over `group`, the plan, and this rank's part of the block
+/// input: the whole, or under sequence parallelism its half of the sequence.
+fn split(
+    model: Gpt<B>,
+    config: &GptConfig,
+    group: &ProcessGroup,
+    sequence_parallel: bool,
+) -> (Gpt<B>, TpPlan, Tensor<B, 3>) {
+    let plan = TpPlan::new(&whole_model_rules(config), group.rank(), group.size())
+        .with_sequence_parallel(sequence_parallel.then_some(SEQUENCE_DIM));
+    let model = apply_plan(model, &plan, group).unwrap();
+    let x = block_input(config.d_model);
+    let local = match sequence_parallel {
+        true => x.narrow(1, group.rank() * BLOCK_SEQ / 2, BLOCK_SEQ / 2),
+        false => x,
+    };
+    (model, plan, local)
+}
+
 /// One transformer block on 2 thread ranks communicates as Megatron-LM's analysis says:
 /// without sequence parallelism 2 all-reduces forward (after the attention's and the MLP's
 /// row-parallel layers) and 2 backward (the input gradients of the column-parallel layers);
@@ -388,31 +432,15 @@ fn a_tensor_parallel_block_communicates_as_megatron() {
         n_layer: 1,
         ..Preset::Tiny.config(77)
     };
-    let [batch, seq, d] = [2, 8, config.d_model];
-    let input: Vec<f32> = (0..batch * seq * d)
-        .map(|i| ((i * 7919 % 2001) as f32 / 1000.0) - 1.0)
-        .collect();
+    let [seq, d] = [BLOCK_SEQ, config.d_model];
     for sequence_parallel in [false, true] {
-        let (config, input) = (config.clone(), input.clone());
+        let config = config.clone();
         let results = thread_world(2, move |group| {
-            let device = Default::default();
-            let model = {
-                let _draw = DRAW.lock().unwrap_or_else(|p| p.into_inner());
-                B::seed(&device, 11);
-                Gpt::<B>::new(&config, StageSpec::whole(&config), &device)
-            };
-            let x = || {
-                Tensor::<B, 3>::from_data(TensorData::new(input.clone(), [batch, seq, d]), &device)
-            };
-            let expected = model.run_blocks(x()).into_data().to_vec::<f32>().unwrap();
-            let plan = TpPlan::new(&whole_model_rules(&config), group.rank(), group.size())
-                .with_sequence_parallel(sequence_parallel.then_some(SEQUENCE_DIM));
-            let model = apply_plan(model, &plan, &group).unwrap();
-            let local = if sequence_parallel {
-                x().narrow(1, group.rank() * seq / 2, seq / 2)
-            } else {
-                x()
-            };
+            let model = drawn(&config, 11);
+            let expected = (model.run_blocks(block_input(d)).into_data())
+                .to_vec::<f32>()
+                .unwrap();
+            let (model, _, local) = split(model, &config, &group, sequence_parallel);
             let before = counts(&group);
             let y = model.run_blocks(local);
             let after_forward = counts(&group);
@@ -447,6 +475,83 @@ fn a_tensor_parallel_block_communicates_as_megatron() {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(worst <= 1e-5 * scale, "{what}: output differs by {worst}");
+        }
+    }
+}
+
+/// Qwen3's RMSNorm of each head of Q and of K holds one γ for all heads, which tensor
+/// parallelism keeps whole on every rank while each rank normalises its own heads: at tp 2 a
+/// rank's gradient of γ covers its heads only (it differs from the serial one by far more than
+/// rounding), and summed over the group (`TpStyle::HeadShared`, as the training step sums it)
+/// it is the serial gradient, within 1e-5 of its largest value (the heads' parts add in
+/// another order). One Llama block with heads set apart from the width, with and without
+/// sequence parallelism.
+#[test]
+fn the_head_norms_gradient_summed_over_tp_2_is_the_serial_one() {
+    let config = GptConfig {
+        n_layer: 1,
+        head_dim: Some(48),
+        qk_norm: true,
+        ..Preset::LlamaTiny.config(77)
+    };
+    let norms = |model: &Gpt<B>| -> [Norm<B>; 2] {
+        let attn = &model.blocks[0].attn;
+        [&attn.q_norm, &attn.k_norm].map(|norm| norm.clone().expect("qk_norm is on"))
+    };
+    for sequence_parallel in [false, true] {
+        let config = config.clone();
+        let results = thread_world(2, move |group| {
+            let model = drawn(&config, 13);
+            let gradient_of = |norm: &Norm<B>, grads: &GradientsParams| -> Vec<f32> {
+                let grad = grads
+                    .get::<CpuBackend, 1>(norm.gamma.id)
+                    .expect("a gradient");
+                grad.into_data().to_vec().unwrap()
+            };
+            let serial_grads = model
+                .run_blocks(block_input(config.d_model))
+                .sum()
+                .backward();
+            let serial_grads = GradientsParams::from_grads(serial_grads, &model);
+            let serial = norms(&model).map(|n| gradient_of(&n, &serial_grads));
+
+            let (model, plan, local) = split(model, &config, &group, sequence_parallel);
+            let grads = model.run_blocks(local).sum().backward();
+            let mut grads = GradientsParams::from_grads(grads, &model);
+            let own = norms(&model).map(|n| gradient_of(&n, &grads));
+            // The plan makes the norms' γ partial; the step sums them (this block runs without
+            // the model's head, whose final norm has no gradient here to sum).
+            for name in ["q_norm", "k_norm"] {
+                let path = format!("blocks.0.attn.{name}.gamma");
+                assert!(plan.is_sequence_partial(&path, 1), "{path}");
+            }
+            let ids = norms(&model).map(|n| (n.gamma.id, 1)).to_vec();
+            SequencePartial::new(ids)
+                .sum::<CpuBackend>(&mut grads, &group)
+                .unwrap();
+            let summed = norms(&model).map(|n| gradient_of(&n, &grads));
+            (serial, own, summed)
+        });
+        for (rank, (serial, own, summed)) in results.into_iter().enumerate() {
+            for (i, name) in ["q_norm", "k_norm"].into_iter().enumerate() {
+                let what = format!("rank {rank}, sequence parallel {sequence_parallel}, {name}");
+                let scale = serial[i].iter().fold(0f32, |m, v| m.max(v.abs()));
+                let apart = |got: &[f32]| -> f32 {
+                    assert_eq!(got.len(), serial[i].len(), "{what}: length");
+                    (got.iter().zip(&serial[i]))
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, |m, v| if v.is_nan() { f32::NAN } else { m.max(v) })
+                };
+                let (own, summed) = (apart(&own[i]), apart(&summed[i]));
+                assert!(
+                    own > 1e-2 * scale,
+                    "{what}: one rank's part is {own} from the whole"
+                );
+                assert!(
+                    summed <= 1e-5 * scale,
+                    "{what}: summed, {summed} from serial"
+                );
+            }
         }
     }
 }

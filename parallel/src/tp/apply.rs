@@ -128,7 +128,7 @@ fn check_layers(
             | TpStyle::Row
             | TpStyle::VocabColumns => Layer::Linear,
             TpStyle::VocabRows => Layer::Embedding,
-            TpStyle::Replicated | TpStyle::SequenceRegion => *layer,
+            TpStyle::Replicated | TpStyle::SequenceRegion | TpStyle::HeadShared => *layer,
         };
         if needed != *layer {
             return Err(wrong_layer(path, layer.describe().to_string(), style));

@@ -45,6 +45,10 @@ pub enum TpStyle {
     /// sequence parallelism each rank's gradient covers its part of the sequence only, and the
     /// group sums them ([`super::SequencePartial`]).
     SequenceRegion,
+    /// Whole on every rank, applied to each of the rank's own heads (Qwen3's RMSNorm of each
+    /// head of Q and K): each rank's gradient covers its heads only, and the group sums them,
+    /// with or without sequence parallelism ([`super::SequencePartial`]).
+    HeadShared,
 }
 
 impl TpStyle {
@@ -66,6 +70,7 @@ impl fmt::Display for TpStyle {
             Self::VocabColumns => write!(f, "vocabulary-parallel by columns"),
             Self::Replicated => write!(f, "replicated"),
             Self::SequenceRegion => write!(f, "sequence-region"),
+            Self::HeadShared => write!(f, "head-shared"),
         }
     }
 }
@@ -253,7 +258,9 @@ impl TpPlan {
     /// Whether parameter `path` of `shape` can take `style` over this plan's ranks.
     fn check_split(&self, path: &str, shape: &[usize], style: TpStyle) -> Result<(), PlanError> {
         let (dim, multiple) = match (style, shape.len()) {
-            (TpStyle::Replicated | TpStyle::SequenceRegion, _) => return Ok(()),
+            (TpStyle::Replicated | TpStyle::SequenceRegion | TpStyle::HeadShared, _) => {
+                return Ok(());
+            }
             (TpStyle::Column { sections, .. }, 1 | 2) => (shape.len() - 1, sections * self.size),
             (TpStyle::VocabColumns, 1 | 2) => (shape.len() - 1, self.size),
             (TpStyle::ColumnHeads { heads }, 1 | 2) => {
@@ -354,16 +361,19 @@ impl TpPlan {
         (cut.parts < self.size).then_some((cut.dim, cut.part, cut.parts))
     }
 
-    /// Whether, under sequence parallelism, this rank's gradient of the whole parameter `path`
-    /// (of rank `dims`) is only its part of the sequence's, to be summed over the group: a
-    /// [`TpStyle::SequenceRegion`] layer's parameters, and a row-parallel layer's bias (added
-    /// after the reduce-scatter). Without sequence parallelism, none is.
+    /// Whether this rank's gradient of the whole parameter `path` (of rank `dims`) is only its
+    /// part, to be summed over the group: a [`TpStyle::HeadShared`] parameter's (its heads'
+    /// part) always, and under sequence parallelism (its part of the sequence) a
+    /// [`TpStyle::SequenceRegion`] layer's parameters and a row-parallel layer's bias (added
+    /// after the reduce-scatter).
     pub fn is_sequence_partial(&self, path: &str, dims: usize) -> bool {
-        self.sequence_dim.is_some()
-            && matches!(
-                (self.style(path), dims),
-                (Some(TpStyle::SequenceRegion), _) | (Some(TpStyle::Row), 1)
-            )
+        let style = self.style(path);
+        style == Some(TpStyle::HeadShared)
+            || (self.sequence_dim.is_some()
+                && matches!(
+                    (style, dims),
+                    (Some(TpStyle::SequenceRegion), _) | (Some(TpStyle::Row), 1)
+                ))
     }
 
     /// The boxes of the global tensor `path` (shape `global`) that this rank holds, in the order
@@ -469,6 +479,7 @@ mod tests {
         ("blocks.*.attn.c_proj", TpStyle::Row),
         ("head.wte", TpStyle::VocabRows),
         ("blocks.*.ln_1", TpStyle::SequenceRegion),
+        ("blocks.*.attn.q_norm", TpStyle::HeadShared),
     ];
 
     #[test]
@@ -487,6 +498,11 @@ mod tests {
         assert!(!plan.is_sequence_partial("blocks.0.attn.c_attn.bias", 1));
         let without_sp = TpPlan::new(PLAN, 1, 2);
         assert!(!without_sp.is_sequence_partial("blocks.0.ln_1.gamma", 1));
+        // A norm applied to each of the rank's heads: its heads' part, summed with or without SP.
+        for plan in [&plan, &without_sp] {
+            assert!(plan.is_sequence_partial("blocks.0.attn.q_norm.gamma", 1));
+            assert!(!plan.is_split("blocks.0.attn.q_norm.gamma", 1));
+        }
         assert!(!TpPlan::new(PLAN, 0, 1).is_split("blocks.0.attn.c_proj.weight", 2));
     }
 
@@ -587,6 +603,7 @@ mod tests {
             ("blocks.0.attn.c_proj.weight", &[8, 8]),
             ("head.wte", &[77, 8]),
             ("blocks.0.ln_1.gamma", &[8]),
+            ("blocks.0.attn.q_norm.gamma", &[4]),
         ]);
         assert_eq!(TpPlan::new(PLAN, 0, 2).check(&model), Ok(()));
         // 77 rows at tp 4: the vocabulary splits unevenly, which is allowed.

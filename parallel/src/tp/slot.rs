@@ -89,7 +89,7 @@ impl<B: Backend> TensorParallel<B> {
         let split = match style {
             TpStyle::Column { .. } | TpStyle::ColumnHeads { .. } | TpStyle::Row => true,
             TpStyle::VocabRows | TpStyle::VocabColumns => true,
-            TpStyle::Replicated | TpStyle::SequenceRegion => false,
+            TpStyle::Replicated | TpStyle::SequenceRegion | TpStyle::HeadShared => false,
         };
         split.then_some(style)
     }

@@ -1,6 +1,8 @@
 //! Hugging Face's `config.json` for the two model kinds: written beside an export, and read
 //! to take a model's sizes from its directory (`--init-from hf:DIR`). The Llama kind also reads
-//! and writes Qwen2 (`model_type` `qwen2`): Llama's block with biases on Q, K and V alone.
+//! and writes the families that are Llama's block with a setting of its own ([`Family`]): Qwen2
+//! (biases on Q, K and V alone), Qwen3 (an RMSNorm of each head of Q and K) and Mistral (a
+//! sliding window).
 //!
 //! Reading is strict: a field that would change the architecture and that the model does not
 //! implement (another activation, another rope type, a sliding window, …) is refused, naming
@@ -102,6 +104,7 @@ fn llama_kind_json(config: &GptConfig) -> anyhow::Result<Value> {
         }),
         Family::Qwen2 => json!({"use_sliding_window": false}),
         Family::Mistral => json!({"sliding_window": config.sliding_window}),
+        Family::Qwen3 => json!({"attention_bias": false, "use_sliding_window": false}),
     };
     let fields = json.as_object_mut().expect("an object");
     fields.extend(own.as_object().expect("an object").clone());
@@ -140,8 +143,10 @@ pub fn from_json(json: &Value, dropout: f64) -> anyhow::Result<GptConfig> {
         "llama" => llama_from(&fields, Family::Llama, dropout)?,
         "qwen2" => llama_from(&fields, Family::Qwen2, dropout)?,
         "mistral" => llama_from(&fields, Family::Mistral, dropout)?,
+        "qwen3" => llama_from(&fields, Family::Qwen3, dropout)?,
         other => bail!(
-            "config.json: model_type {other:?} is not supported (gpt2, llama, qwen2 or mistral)"
+            "config.json: model_type {other:?} is not supported (gpt2, llama, qwen2, qwen3 or \
+             mistral)"
         ),
     };
     config
@@ -267,11 +272,23 @@ enum Family {
     Qwen2,
     /// Llama's block with a sliding window of attention (Mistral 7B v0.1).
     Mistral,
+    /// Llama's block with an RMSNorm of each head of Q and K (Qwen3).
+    Qwen3,
 }
 
 impl Family {
     /// The family that holds a Llama-kind model of `config`, refusing settings none has.
     fn of(config: &GptConfig) -> anyhow::Result<Self> {
+        if config.qk_norm {
+            return match (config.sliding_window, config.qkv_bias, config.bias) {
+                (None, false, false) => Ok(Self::Qwen3),
+                (window, qkv_bias, bias) => bail!(
+                    "model.qk_norm with model.sliding_window = {window:?}, model.qkv_bias = \
+                     {qkv_bias} and model.bias = {bias}: Qwen3, the family with the norms, has \
+                     no window and no biases"
+                ),
+            };
+        }
         match (config.sliding_window, config.qkv_bias, config.bias) {
             (None, true, false) => Ok(Self::Qwen2),
             (None, _, _) => Ok(Self::Llama),
@@ -289,6 +306,7 @@ impl Family {
             Self::Llama => ("LlamaForCausalLM", "llama"),
             Self::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Self::Mistral => ("MistralForCausalLM", "mistral"),
+            Self::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         }
     }
 }
@@ -331,7 +349,7 @@ fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptCon
                 .map(|_| f.size("sliding_window"))
                 .transpose()?
         }
-        Family::Llama | Family::Qwen2 => {
+        Family::Llama | Family::Qwen2 | Family::Qwen3 => {
             full_attention_everywhere(f)?;
             None
         }
@@ -353,6 +371,15 @@ fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptCon
                 }
             }
             (false, qwen2)
+        }
+        // Qwen3's `attention_bias` would put biases on the output projection too, which
+        // wildfire's model has only with biases everywhere.
+        Family::Qwen3 => {
+            f.expect("attention_bias", json!(false))?;
+            if let Some(value) = f.get("mlp_bias") {
+                bail!("config.json: field mlp_bias = {value} is not qwen3's");
+            }
+            (false, false)
         }
         Family::Llama => {
             let attention_bias = f.flag("attention_bias")?.unwrap_or(false);
@@ -382,6 +409,7 @@ fn llama_from(f: &Fields, family: Family, dropout: f64) -> anyhow::Result<GptCon
         dropout,
         bias: attention_bias,
         qkv_bias,
+        qk_norm: family == Family::Qwen3,
         tie_embeddings: f.flag("tie_word_embeddings")?.unwrap_or(false),
         rope_theta,
         rope_scaling,
@@ -625,6 +653,7 @@ mod tests {
             dropout: 0.0,
             bias: false,
             qkv_bias: true,
+            qk_norm: false,
             tie_embeddings: true,
             rope_theta: 1e6,
             rope_scaling: None,
@@ -690,6 +719,40 @@ mod tests {
         let err = from_json(&odd, 0.0).unwrap_err().to_string();
         assert!(
             err.contains("use_sliding_window = true is not Mistral's"),
+            "{err}"
+        );
+    }
+
+    /// Qwen3 0.6B's published config.json reads as Llama's block with heads set apart from the
+    /// width (16 of 128 on 1,024) and an RMSNorm of each head of Q and K: 0.44 B parameters
+    /// outside the embedding, as published; written back, a Qwen3 config again.
+    #[test]
+    fn qwen3_config_reads_as_llama_with_qk_norms() {
+        let published = json!({
+            "architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+            "initializer_range": 0.02, "intermediate_size": 3072,
+            "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+            "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+            "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 151936
+        });
+        let config = from_json(&published, 0.0).unwrap();
+        assert!(config.qk_norm && !config.qkv_bias && !config.bias);
+        assert_eq!((config.head_dim, config.q_width()), (Some(128), 2048));
+        let embedding = config.vocab_size * config.d_model;
+        assert_eq!(config.parameter_count() - embedding, 440_467_456);
+        let written = to_json(&config).unwrap();
+        assert_eq!(written["model_type"], "qwen3");
+        assert_eq!(from_json(&written, 0.0).unwrap(), config);
+        let mut odd = published;
+        odd["attention_bias"] = json!(true);
+        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        assert!(
+            err.contains("attention_bias = true is not supported"),
             "{err}"
         );
     }

@@ -11,7 +11,8 @@
 //! `model.layers.{i}`, `ln_1`/`ln_2` ↔ `input_layernorm`/`post_attention_layernorm`,
 //! `attn.{q,k,v}_proj` ↔ `self_attn.{q,k,v}_proj`, `attn.c_proj` ↔ `self_attn.o_proj`,
 //! `mlp.gate|c_fc|c_proj` ↔ `mlp.gate_proj|up_proj|down_proj`, `head.ln_f` ↔ `model.norm`,
-//! `head.lm_head` ↔ `lm_head`. Every projection is an `nn.Linear`, so every matrix but the
+//! `head.lm_head` ↔ `lm_head`; Qwen3's `attn.q_norm|k_norm.gamma` ↔ `self_attn.q_norm|k_norm.weight`
+//! by the same pieces. Every projection is an `nn.Linear`, so every matrix but the
 //! embedding is transposed. Hugging Face's Llama checkpoints hold Q and K with each head's
 //! rotary pairs as halves (`(i, i + d/2)`: the conversion from Meta's interleaved pairs permuted
 //! their rows), which is the layout our rotary embedding uses: no permutation either way.

@@ -65,6 +65,8 @@ pub const TP_PLAN: &[(&str, TpStyle)] = &[
     ("blocks.*.attn.k_proj", TpStyle::COLUMN),
     ("blocks.*.attn.v_proj", TpStyle::COLUMN),
     ("blocks.*.attn.c_proj", TpStyle::Row),
+    ("blocks.*.attn.q_norm", TpStyle::HeadShared),
+    ("blocks.*.attn.k_norm", TpStyle::HeadShared),
     ("blocks.*.ln_2", TpStyle::SequenceRegion),
     ("blocks.*.mlp.gate", TpStyle::COLUMN),
     ("blocks.*.mlp.c_fc", TpStyle::COLUMN),
@@ -102,6 +104,7 @@ pub fn whole_model_rules(config: &GptConfig) -> Vec<(&'static str, TpStyle)> {
             "blocks.*.attn.c_attn" => !llama,
             "blocks.*.attn.q_proj" | "blocks.*.attn.k_proj" | "blocks.*.attn.v_proj" => llama,
             "blocks.*.mlp.gate" => llama,
+            "blocks.*.attn.q_norm" | "blocks.*.attn.k_norm" => config.qk_norm,
             _ => true,
         })
         .collect()
@@ -206,6 +209,9 @@ pub struct CausalSelfAttention<B: Backend> {
     pub k_proj: Option<ParallelLinear<B>>,
     /// Llama's value projection, `[d, n_kv_head·d_head]`.
     pub v_proj: Option<ParallelLinear<B>>,
+    /// Qwen3's RMSNorm of each head of Q, and of K (γ of `d_head`), before the rotation.
+    pub q_norm: Option<Norm<B>>,
+    pub k_norm: Option<Norm<B>>,
     /// Output projection, `[n_head·d_head, d]` (a residual projection: scaled initialisation).
     pub c_proj: ParallelLinear<B>,
     pub attn_dropout: Dropout,
@@ -229,6 +235,9 @@ pub struct CausalSelfAttention<B: Backend> {
     /// (`wildfire_backend::kernels::rope`).
     #[module(skip)]
     pub fused_rope: bool,
+    /// Whether the norms of Q's and K's heads run as the fused RMSNorm op.
+    #[module(skip)]
+    pub fused_qk_norm: bool,
     /// Mistral's sliding window (see `GptConfig::sliding_window`). The fused attention op has
     /// no window, so a windowed model runs the decomposed attention.
     #[module(skip)]
@@ -338,8 +347,13 @@ impl<B: Backend> ModuleVisitor<B> for DrawNow {
 
 /// A norm of `config`'s kind: γ = 1 and (LayerNorm with biases) β = 0.
 fn norm<B: Backend>(config: &GptConfig, device: &B::Device) -> Norm<B> {
+    norm_of_width(config, config.d_model, device)
+}
+
+/// A norm of `config`'s kind over `width` features.
+fn norm_of_width<B: Backend>(config: &GptConfig, width: usize, device: &B::Device) -> Norm<B> {
     let rms = config.kind == ModelKind::Llama;
-    let gamma = Tensor::ones([config.d_model], device);
+    let gamma = Tensor::ones([width], device);
     Norm {
         gamma: Param::from_tensor(gamma.clone()),
         beta: (config.bias && !rms).then(|| Param::from_tensor(gamma.zeros_like())),
@@ -375,6 +389,9 @@ impl<B: Backend> Block<B> {
                 q_proj: projection(d_q, qkv_bias),
                 k_proj: projection(d_kv, qkv_bias),
                 v_proj: projection(d_kv, qkv_bias),
+                q_norm: (config.qk_norm).then(|| norm_of_width(config, config.head_dim(), device)),
+                k_norm: (config.qk_norm).then(|| norm_of_width(config, config.head_dim(), device)),
+                fused_qk_norm: true,
                 c_proj: linear([d_q, d], bias, resid_std, device),
                 attn_dropout: dropout(config),
                 resid_dropout: dropout(config),
@@ -490,9 +507,19 @@ impl<B: DecoratedBackend> CausalSelfAttention<B> {
             let [batch, seq, width] = y.dims();
             y.reshape([batch, seq, width / d_head, d_head])
         };
+        // Qwen3 normalises each head of Q and K: `[batch, seq, heads, d_head]` as rows of d_head.
+        let per_head = |y: Tensor<B, 4>, norm: &Option<Norm<B>>| match norm {
+            None => y,
+            Some(norm) => {
+                let [batch, seq, heads, d_head] = y.dims();
+                let rows = y.reshape([batch, seq * heads, d_head]);
+                let normed = norm.forward(rows, self.fused_qk_norm);
+                normed.reshape([batch, seq, heads, d_head])
+            }
+        };
         let (q, k, v) = (
-            project(&self.q_proj),
-            project(&self.k_proj),
+            per_head(project(&self.q_proj), &self.q_norm),
+            per_head(project(&self.k_proj), &self.k_norm),
             project(&self.v_proj),
         );
         let rotary = self
@@ -691,6 +718,7 @@ impl<B: Backend> Gpt<B> {
             };
             block.mlp.fused = ops.is_fused(activation);
             block.fused_norm = ops.is_fused(norm_op(&block.ln_1));
+            block.attn.fused_qk_norm = ops.is_fused(FusedOp::RmsNorm);
         }
         if let Some(head) = &mut self.head {
             head.fused_norm = ops.is_fused(norm_op(&head.ln_f));

@@ -83,6 +83,9 @@ pub struct GptConfig {
     /// Biases on the query, key and value projections alone (Qwen2; Llama only): not on the
     /// output projection or the MLP. `bias` puts them everywhere.
     pub qkv_bias: bool,
+    /// An RMSNorm of each head of Q and of K, before the rotation (Qwen3; Llama only): one
+    /// `head_dim`-wide γ for Q's heads and one for K's.
+    pub qk_norm: bool,
     /// The LM head reuses the token embedding matrix (GPT-2 does).
     pub tie_embeddings: bool,
     /// RoPE's base θ (Llama).
@@ -116,6 +119,8 @@ struct StoredConfig {
     bias: bool,
     #[serde(default)]
     qkv_bias: bool,
+    #[serde(default)]
+    qk_norm: bool,
     tie_embeddings: bool,
     rope_theta: Option<f64>,
     rope_scaling: Option<Llama3Scaling>,
@@ -139,6 +144,7 @@ impl From<StoredConfig> for GptConfig {
             dropout: stored.dropout,
             bias: stored.bias,
             qkv_bias: stored.qkv_bias,
+            qk_norm: stored.qk_norm,
             tie_embeddings: stored.tie_embeddings,
             rope_theta: stored.rope_theta.unwrap_or(10_000.0),
             rope_scaling: stored.rope_scaling,
@@ -186,6 +192,7 @@ impl Preset {
             dropout: 0.0,
             bias: true,
             qkv_bias: false,
+            qk_norm: false,
             tie_embeddings: true,
             rope_theta: 10_000.0,
             rope_scaling: None,
@@ -278,6 +285,7 @@ impl GptConfig {
             for (field, set) in [
                 ("head_dim", self.head_dim.is_some()),
                 ("qkv_bias", self.qkv_bias),
+                ("qk_norm", self.qk_norm),
                 ("sliding_window", self.sliding_window.is_some()),
             ] {
                 if set {
@@ -346,7 +354,8 @@ impl GptConfig {
     /// `ffn_hidden`: Q and output projections 2·d·d_q, K and V 2·d·d_kv, the MLP 2·d·f (GPT) or
     /// 3·d·f (SwiGLU's gate, up and down), and with biases their d_q + 2·d_kv + d and f + d
     /// (2f + d gated) entries (with `qkv_bias`, d_q + 2·d_kv); two norms of 2d (LayerNorm with a
-    /// bias) or d. GPT-2 (d_q = d_kv = d, f = 4d) has 12d² weights per block.
+    /// bias) or d, and with `qk_norm` two of `head_dim`. GPT-2 (d_q = d_kv = d, f = 4d) has 12d²
+    /// weights per block.
     /// Plus the token embedding V·d, GPT's position embedding T·d, the final norm and, untied,
     /// the head V·d.
     pub fn parameter_count(&self) -> usize {
@@ -364,7 +373,9 @@ impl GptConfig {
             (false, true) => d_q + 2 * d_kv,
             (false, false) => 0,
         };
-        let block = 2 * d * d_q + 2 * d * d_kv + mlp_matrices * d * f + linear_biases + 2 * norm;
+        let qk_norms = if self.qk_norm { 2 * self.head_dim() } else { 0 };
+        let block =
+            2 * d * d_q + 2 * d * d_kv + mlp_matrices * d * f + linear_biases + 2 * norm + qk_norms;
         let head = if self.tie_embeddings {
             0
         } else {

@@ -17,7 +17,7 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 TRANSFORMERS = "5.25.0"
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "hf")
@@ -65,6 +65,11 @@ FIXTURES = {
             max_window_layers=2,
             rope_parameters={"rope_theta": 1000000.0},
         ),
+    ),
+    # Qwen3: an RMSNorm of each head of Q and K, heads set apart from the width.
+    "qwen3": (
+        4,
+        Qwen3Config(**SIZES, head_dim=16, rope_parameters={"rope_theta": 1000000.0}),
     ),
     # Mistral: a sliding window of 4 keys, well inside the prompt and its continuation.
     "mistral": (
