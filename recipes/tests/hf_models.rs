@@ -110,13 +110,20 @@ fn every_family_computes_what_transformers_computed() {
                 "{name}: greedy continuation, key/value cache {kv_cache}"
             );
         }
-        exports_as_it_came(name, &model, &config, &ours);
+        exports_as_it_came(name, &model, &config, &prompt, &ours);
     }
 }
 
 /// `model` (the fixture `name`) exported: the fixture's config and tensors again, and, where
-/// transformers is installed, its logits `ours` from transformers' class of the family.
-fn exports_as_it_came(name: &str, model: &Gpt<CpuBackend>, config: &GptConfig, ours: &[Vec<f32>]) {
+/// transformers is installed, its logits of `prompt`, `ours`, from transformers' class of the
+/// family.
+fn exports_as_it_came(
+    name: &str,
+    model: &Gpt<CpuBackend>,
+    config: &GptConfig,
+    prompt: &[u32],
+    ours: &[Vec<f32>],
+) {
     let out = run_dir(&format!("hf-family-{name}"));
     let tokenizer = Tokenizer::from_chars("ab");
     hf::export(model, config, &tokenizer, &out, u64::MAX).unwrap();
@@ -134,7 +141,6 @@ fn exports_as_it_came(name: &str, model: &Gpt<CpuBackend>, config: &GptConfig, o
         "{name}: exported tensors"
     );
 
-    let prompt = ids(&json(&fixture(name).join("expected.json"))["prompt"]);
     let mut args = vec![out.to_str().unwrap().to_string(), "0".to_string()];
     args.extend(prompt.iter().map(u32::to_string));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

@@ -382,6 +382,8 @@ impl<B: Backend> Block<B> {
         let llama = config.kind == ModelKind::Llama;
         let projection = |width, bias| llama.then(|| linear([d, width], bias, INIT_STD, device));
         let qkv_bias = bias || config.qkv_bias;
+        let head_norm =
+            || (config.qk_norm).then(|| norm_of_width(config, config.head_dim(), device));
         Self {
             ln_1: norm(config, device),
             attn: CausalSelfAttention {
@@ -389,8 +391,8 @@ impl<B: Backend> Block<B> {
                 q_proj: projection(d_q, qkv_bias),
                 k_proj: projection(d_kv, qkv_bias),
                 v_proj: projection(d_kv, qkv_bias),
-                q_norm: (config.qk_norm).then(|| norm_of_width(config, config.head_dim(), device)),
-                k_norm: (config.qk_norm).then(|| norm_of_width(config, config.head_dim(), device)),
+                q_norm: head_norm(),
+                k_norm: head_norm(),
                 fused_qk_norm: true,
                 c_proj: linear([d_q, d], bias, resid_std, device),
                 attn_dropout: dropout(config),
