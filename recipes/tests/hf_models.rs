@@ -1,25 +1,32 @@
 //! Hugging Face models of each family wildfire reads, against what transformers computes with
-//! them. The fixtures under tests/fixtures/hf are tiny models with random weights, written with
-//! transformers 5.25.0 by tests/python/make_hf_fixtures.py, beside the logits transformers
-//! computed at the prompt's last position and its greedy continuation by 20 tokens: Llama with
-//! Llama 3's scaled RoPE in transformers 5's config form and in the older one, Llama with its
-//! heads set apart from the width (`head_dim`), Qwen2 (biases on Q, K and V alone, its sliding
-//! window switched off), Qwen3 (an RMSNorm of each head of Q and K) and Mistral (a sliding window of 4 keys: the prompt of 8 and its
-//! continuation run past it, and the window moves the last logits by 7 in transformers).
+//! them. The fixtures under tests/fixtures/hf are tiny models with random weights and their
+//! family's tokenizer, written with transformers 5.25.0 by tests/python/make_hf_fixtures.py,
+//! beside the logits transformers computed at the prompt's last position, its greedy
+//! continuation by 20 tokens, and the text transformers decodes from a text prompt and its greedy
+//! continuation. The models: Llama with Llama 3's scaled RoPE in transformers 5's config form and
+//! in the older one, Llama with its heads set apart from the width (`head_dim`), Qwen2 (biases on
+//! Q, K and V alone, its sliding window switched off), Qwen3 (an RMSNorm of each head of Q and K)
+//! and Mistral (a sliding window of 4 keys: the prompt of 8 and its continuation run past it, and
+//! the window moves the last logits by 7 in transformers). The tokenizers, each built by
+//! transformers' class of its design: Llama 3's byte-level BPE for the Llama fixtures, Qwen's
+//! (NFC, its own pattern, byte-level BPE) for Qwen2 and Qwen3, and Mistral's SentencePiece-style
+//! BPE (`▁` for spaces, byte fallback).
 //!
 //! Each loads through `--init-from hf:DIR`'s reader and gives transformers' logits within 1e-4
 //! (the two sum in different orders; a greedy step's top logit leads by at least 1e-3 in every
 //! fixture, so the continuation cannot flip within that bound) and its continuation token for
-//! token, with and without the key/value cache. Exported back, it is the same config and the
-//! same tensors; where transformers is installed, it loads the export as its family's class
-//! with our logits at every position (tests/python/check_hf_export.py).
+//! token, with and without the key/value cache. `wildfire generate --init-from hf:DIR` encodes
+//! the text prompt to transformers' ids and writes transformers' text. Exported back, it is the
+//! same config, the same tensors and the same tokenizer.json, and generates the same text; where
+//! transformers is installed, it loads the export as its family's class with our logits at every
+//! position (tests/python/check_hf_export.py), and transformers' tokenizer of the export encodes
+//! the prompt to our ids and decodes our ids to our text (tests/python/check_hf_tokenizer.py).
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
 use wildfire_recipes::CpuBackend;
-use wildfire_recipes::data::Tokenizer;
 use wildfire_recipes::generate::{Sampling, continue_tokens};
 use wildfire_recipes::hf::{self, config, files};
 use wildfire_recipes::model::{Gpt, GptConfig, StageSpec};
@@ -110,23 +117,71 @@ fn every_family_computes_what_transformers_computed() {
                 "{name}: greedy continuation, key/value cache {kv_cache}"
             );
         }
-        exports_as_it_came(name, &model, &config, &prompt, &ours);
+        let text_prompt = &expected["text"];
+        writes_transformers_text(name, &dir, text_prompt);
+        let out = exports_as_it_came(name, &model, &config, &prompt, &ours, text_prompt);
+        writes_transformers_text(&format!("{name} exported"), &out, text_prompt);
     }
 }
 
-/// `model` (the fixture `name`) exported: the fixture's config and tensors again, and, where
-/// transformers is installed, its logits of `prompt`, `ours`, from transformers' class of the
-/// family.
+/// `wildfire generate --init-from hf:DIR` from the text prompt of `expected` (a fixture's
+/// `text`): the prompt encodes to transformers' ids, and greedy generation writes the text
+/// transformers decoded from them and its continuation.
+fn writes_transformers_text(name: &str, dir: &Path, expected: &Value) {
+    let prompt = expected["prompt"].as_str().unwrap();
+    let source = format!("hf:{}", dir.display());
+    let config = hf::model_config(&source, 0.0).unwrap().unwrap();
+    let tokenizer = hf::tokenizer(dir, &config).unwrap();
+    assert_eq!(
+        tokenizer.encode(prompt).unwrap(),
+        ids(&expected["ids"]),
+        "{name}: the ids of {prompt:?}"
+    );
+    let new_tokens = ids(&expected["greedy"]).len().to_string();
+    let args = [
+        "generate",
+        "--init-from",
+        &source,
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        &new_tokens,
+        "--temperature",
+        "0",
+    ]
+    .map(str::to_string);
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
+    assert!(out.status.success(), "{name}: generate:\n{}", text(&out));
+    let decoded = expected["decoded"].as_str().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{decoded}\n"),
+        "{name}: the text generated from {prompt:?}"
+    );
+}
+
+/// `model` (the fixture `name`) exported with the fixture's tokenizer: the fixture's config,
+/// tensors and tokenizer.json again, and, where transformers is installed, its logits of
+/// `prompt`, `ours`, from transformers' class of the family, and from transformers' tokenizer
+/// of the export the ids and the text of `text_prompt` (a fixture's `text`). Returns the
+/// export's directory.
 fn exports_as_it_came(
     name: &str,
     model: &Gpt<CpuBackend>,
     config: &GptConfig,
     prompt: &[u32],
     ours: &[Vec<f32>],
-) {
+    text_prompt: &Value,
+) -> RunDir {
     let out = run_dir(&format!("hf-family-{name}"));
-    let tokenizer = Tokenizer::from_chars("ab");
+    let tokenizer = hf::tokenizer(&fixture(name), config).unwrap();
     hf::export(model, config, &tokenizer, &out, u64::MAX).unwrap();
+    let tokenizer_json = |dir: &Path| std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(
+        tokenizer_json(&out),
+        tokenizer_json(&fixture(name)),
+        "{name}: exported tokenizer.json"
+    );
     let written = json(&out.join("config.json"));
     assert_eq!(
         config::from_json(&written, 0.0).unwrap(),
@@ -145,7 +200,7 @@ fn exports_as_it_came(
     args.extend(prompt.iter().map(u32::to_string));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let Some(check) = python("check_hf_export.py", &args) else {
-        return;
+        return out;
     };
     assert!(
         check.status.success(),
@@ -157,4 +212,34 @@ fn exports_as_it_came(
     assert_eq!(theirs.len(), ours.len(), "{name}: positions");
     let what = format!("{name} exported, every position");
     assert_logits(&ours.concat(), &theirs.concat(), &what);
+
+    let text_ids = [ids(&text_prompt["ids"]), ids(&text_prompt["greedy"])].concat();
+    let text_file = out.join("prompt.txt");
+    std::fs::write(&text_file, text_prompt["prompt"].as_str().unwrap()).unwrap();
+    let mut args = vec![
+        out.to_str().unwrap().to_string(),
+        text_file.to_str().unwrap().to_string(),
+    ];
+    args.extend(text_ids.iter().map(u32::to_string));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let check = python("check_hf_tokenizer.py", &args).expect("transformers ran a moment ago");
+    assert!(
+        check.status.success(),
+        "{name}: transformers' tokenizer:\n{}",
+        text(&check)
+    );
+    let theirs: Value = serde_json::from_slice(&check.stdout).unwrap();
+    assert_eq!(
+        ids(&theirs["ids"]),
+        tokenizer
+            .encode(text_prompt["prompt"].as_str().unwrap())
+            .unwrap(),
+        "{name} exported: transformers' ids of the text prompt"
+    );
+    assert_eq!(
+        theirs["decoded"].as_str().unwrap(),
+        tokenizer.decode(&text_ids).unwrap(),
+        "{name} exported: transformers' text of the prompt and its continuation"
+    );
+    out
 }
