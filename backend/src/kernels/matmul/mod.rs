@@ -36,6 +36,7 @@ pub use cube::kernel;
 
 mod cube;
 pub mod flex;
+pub mod gemm_plan;
 
 /// Which type the float matmuls of `Parallel<B>` compute in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
