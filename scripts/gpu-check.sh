@@ -11,12 +11,15 @@
 #   profile       `wildfire train --profile 3` on the same GPT-2 step (each step's table of kernels,
 #                 its time outside them, its blocking reads), beside torch.profiler's table of the
 #                 PyTorch eager step (benches/reference/train_tiny.py --profile 2).
-#   kernel-tests  the CubeCL kernels' tests on CUDA (f32, f16, bf16), the kernels queued in Burn's
+#   kernel-tests  the CubeCL kernels' tests on CUDA (f32, f16, bf16), cuBLASLt's GEMM (the
+#                 matmuls' vendor tier, off by default) against f64, the kernels queued in Burn's
 #                 fusion stream against the bare backend, and a GPT training step with the kernels
 #                 against the decomposed ops: what must pass before a kernel is turned on on CUDA.
 #   kernels       the kernels' benchmark against Burn's ops in bf16 on the fused backend
 #                 (attention target >= 400 TFLOP/s forward+backward at head dim 128, length 4096;
-#                 mixed-precision matmul >= 70% of WILDFIRE_PEAK_BF16_TFLOPS, default 989).
+#                 mixed-precision matmul >= 70% of WILDFIRE_PEAK_BF16_TFLOPS, default 989), with
+#                 cuBLASLt against Burn's CubeCL matmul at 8192³ and GPT-2's and Llama 3 8B's GEMM
+#                 shapes, then PyTorch's numbers at the same shapes (benches/reference/kernels_torch.py).
 #   fused-all     the speed run again with every fused op on (train.fused_ops=true), to see
 #                 what the ops that are off by default on CUDA would change.
 #   comm          comm-check at world size 1 (and one process per GPU over NCCL with 2+ GPUs),
@@ -98,15 +101,25 @@ fi
 gpus=$(nvidia-smi -L | grep -c '^GPU ')
 echo "gpu-check: $gpus GPU(s), steps: $steps"; nvidia-smi -L
 
-# CubeCL (through cudarc) and the NCCL transport load NVRTC and NCCL by name at run time. Where
-# the loader's cache lacks one (a toolkit outside ldconfig's folders, NCCL from pip's
-# nvidia-nccl wheel), add the folder that holds it.
-for lib in libnvrtc.so libnccl.so.2; do
+# CubeCL (through cudarc), the NCCL transport and the matmuls' cuBLASLt tier load NVRTC, NCCL
+# and cuBLASLt by name at run time. Where the loader's cache lacks one (a toolkit outside
+# ldconfig's folders, pip's nvidia-* wheels), add the folder that holds it; where that folder
+# has only a versioned name (libcublasLt.so.12 in a wheel), link the plain name to it in a
+# folder of the check's own.
+links="$logs/lib"
+mkdir -p "$links"
+python_sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+for lib in libnvrtc.so libnccl.so.2 libcublasLt.so; do
     if ! ldconfig -p | grep -q "$lib"; then
-        found=$(find /usr/local /opt /usr/lib -name "$lib*" -print -quit 2>/dev/null)
+        # shellcheck disable=SC2086
+        found=$(find /usr/local /opt /usr/lib $python_sites -name "$lib*" -print -quit 2>/dev/null)
         if [ -n "$found" ]; then
             export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
             echo "gpu-check: $lib from $(dirname "$found")"
+            if [ ! -e "$(dirname "$found")/$lib" ]; then
+                ln -sf "$found" "$links/$lib"
+                export LD_LIBRARY_PATH="$links:$LD_LIBRARY_PATH"
+            fi
         fi
     fi
 done
@@ -197,7 +210,7 @@ if wanted kernel-tests; then
     # Each kernel against f64 or decomposed attention in f32, f16 and bf16 (bf16 is skipped on
     # lavapipe), the kernels queued in the fusion stream against the bare backend, and a GPT
     # training step with the kernels against the decomposed ops.
-    for module in flash_attention mixed_matmul bias_gelu layer_norm rope swiglu adamw fusion; do
+    for module in flash_attention mixed_matmul cublaslt bias_gelu layer_norm rope swiglu adamw fusion; do
         run "test-$module" "CubeCL kernel tests on CUDA: $module" \
             cargo_test wildfire-backend backend "$module::"
     done
@@ -209,10 +222,19 @@ if wanted kernels; then
     # Output against Burn's (the bench's `difference`, within a few units of bf16 roundoff) and
     # the throughput targets. The attention kernels have no tensor cores, so that target is
     # expected to miss.
+    # With --gemm-shapes, cuBLASLt (the vendor tier) against Burn's CubeCL matmul at 8192³ and
+    # GPT-2's and Llama 3 8B's GEMM shapes, then PyTorch's torch.matmul at the same shapes.
     run kernels-bench "CubeCL kernels on CUDA (fused backend), bf16: agreement with Burn and targets" \
         "$bin_dir/wildfire-benches" kernels --device cuda --dtype bf16 --batch 4 --heads 16 \
-        --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 2 --targets \
+        --seq 4096 --head-dim 128 --matmul-size 8192 --rounds 2 --gemm-shapes --targets \
         --peak-tflops "${WILDFIRE_PEAK_BF16_TFLOPS:-989}"
+    if python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        run kernels-torch "PyTorch's attention and torch.matmul at the same shapes, bf16" \
+            python3 benches/reference/kernels_torch.py --batch 4 --heads 16 --seq 4096 \
+            --head-dim 128 --matmul-size 8192 --rounds 5 --gemm-shapes
+    else
+        note "SKIP  PyTorch's kernels at the same shapes: no PyTorch with CUDA (pip install torch)"
+    fi
 fi
 
 if wanted fused-all; then

@@ -1,6 +1,7 @@
 //! wildfire's backend layer: collective communication for Burn tensors on every backend
 //! ([`comm`]), the backend decorator [`Parallel<B>`] (which counts [`blocking_reads`]), fused
-//! kernels ([`kernels`]), each rank's device and backend ([`device`]), what meets Burn's fusion
+//! kernels ([`kernels`]), the CUDA seam for library calls on CubeCL's stream (`cuda`, with
+//! `--features cuda`), each rank's device and backend ([`device`]), what meets Burn's fusion
 //! stream ([`fusion`]), tensor values read back to the host whatever their alignment
 //! ([`host_data`]), the process launcher behind `wildfire launch` ([`launch`]), and tables of
 //! the kernels a few steps ran ([`profile`]).
@@ -8,6 +9,8 @@
 pub mod alloc;
 pub mod collective;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod decorator;
 pub mod device;
 pub mod fusion;

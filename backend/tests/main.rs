@@ -9,6 +9,8 @@ mod common;
 
 mod adamw;
 mod bias_gelu;
+#[cfg(feature = "cuda")]
+mod cublaslt;
 mod flash_attention;
 mod fusion;
 mod layer_norm;

@@ -2,10 +2,12 @@
 fused attention (scaled_dot_product_attention, FlashAttention-2 on Hopper in bf16) forward and
 forward+backward, and its bf16 matmul, on the same device, FLOPs counted as the Rust bench counts
 them (attention forward 4*b*h*s^2*d, halved under the causal mask; forward+backward 3.5x that;
-matmul 2*n^3). Gives docs/benchmarks/kernels.md a reference measured beside wildfire's numbers.
+matmul 2*n^3), and, with --gemm-shapes, its bf16 matmul at the GEMM shapes of a GPT-2 124M and a
+Llama 3 8B training step (GEMM_SHAPES, the shapes of `wildfire-benches kernels --gemm-shapes`,
+2*m*n*k). Gives docs/benchmarks/kernels.md a reference measured beside wildfire's numbers.
 
 Usage: python3 benches/reference/kernels_torch.py [--batch 4 --heads 16 --seq 4096
-       --head-dim 128 --matmul-size 8192 --rounds 10]
+       --head-dim 128 --matmul-size 8192 --rounds 10 --gemm-shapes]
 """
 
 import argparse
@@ -13,6 +15,20 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
+# [tokens, k] x [k, n] for 8192 tokens; the same list as GEMM_SHAPES in benches/src/kernels.rs.
+GEMM_SHAPES = [
+    ("gpt2 qkv", (8192, 768, 2304)),
+    ("gpt2 attn out", (8192, 768, 768)),
+    ("gpt2 mlp up", (8192, 768, 3072)),
+    ("gpt2 mlp down", (8192, 3072, 768)),
+    ("gpt2 head", (8192, 768, 50304)),
+    ("llama8b qkv", (8192, 4096, 6144)),
+    ("llama8b attn out", (8192, 4096, 4096)),
+    ("llama8b gate+up", (8192, 4096, 28672)),
+    ("llama8b mlp down", (8192, 14336, 4096)),
+    ("llama8b head", (8192, 4096, 128256)),
+]
 
 
 def median_ms(op, rounds):
@@ -36,6 +52,7 @@ def main():
     for name, default in [("batch", 4), ("heads", 16), ("seq", 4096), ("head-dim", 128),
                           ("matmul-size", 8192), ("rounds", 10)]:
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--gemm-shapes", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
@@ -67,6 +84,13 @@ def main():
     a, b = (torch.randn((n, n), device=device, dtype=torch.bfloat16) for _ in range(2))
     ms = median_ms(lambda: a @ b, args.rounds)
     print(f"{'matmul bf16':<28} {str([n, n, n]):<30} {ms:>9.3f} {2 * n**3 / ms / 1e9:>9.1f}")
+    if args.gemm_shapes:
+        for name, (m, k, n) in GEMM_SHAPES:
+            a = torch.randn((m, k), device=device, dtype=torch.bfloat16)
+            b = torch.randn((k, n), device=device, dtype=torch.bfloat16)
+            ms = median_ms(lambda: a @ b, args.rounds)
+            label = f"{m}x{k}.{k}x{n}"
+            print(f"{name + ' bf16':<28} {label:<30} {ms:>9.3f} {2 * m * n * k / ms / 1e9:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ use wildfire_backend::kernels::attention::fused_attention;
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::layer_norm::{layer_norm, rms_norm};
+use wildfire_backend::kernels::matmul::vendor::{set_vendor_matmul, vendor_matmul};
 use wildfire_backend::kernels::matmul::{MixedMatmul, mixed_matmul};
 use wildfire_backend::kernels::probe;
 use wildfire_backend::kernels::rope::{reference as rope_reference, rope};
@@ -111,7 +112,29 @@ pub struct KernelArgs {
     /// `wildfire train --device` uses (Burn's fusion; our kernels queued in its stream).
     #[arg(long)]
     unfused: bool,
+    /// Also time cuBLASLt (the matmuls' vendor tier, switched on for these rows) against Burn's
+    /// CubeCL matmul at `--matmul-size`³ and at the GEMM shapes of a GPT-2 124M and a Llama 3
+    /// 8B training step of 8192 tokens ([`GEMM_SHAPES`]); CUDA only.
+    #[arg(long)]
+    gemm_shapes: bool,
 }
+
+/// The GEMMs of one training step's forward, `[tokens, k] · [k, n]`, for 8192 tokens (8 × 1024):
+/// GPT-2 124M (width 768, MLP 3072, vocabulary 50,304 padded) and Llama 3 8B (width 4096, Q
+/// with K and V of 8 heads of 128 = 6144, MLP 14,336, vocabulary 128,256).
+/// benches/reference/kernels_torch.py times the same shapes with `torch.matmul`.
+pub const GEMM_SHAPES: [(&str, [usize; 3]); 10] = [
+    ("gpt2 qkv", [8192, 768, 2304]),
+    ("gpt2 attn out", [8192, 768, 768]),
+    ("gpt2 mlp up", [8192, 768, 3072]),
+    ("gpt2 mlp down", [8192, 3072, 768]),
+    ("gpt2 head", [8192, 768, 50304]),
+    ("llama8b qkv", [8192, 4096, 6144]),
+    ("llama8b attn out", [8192, 4096, 4096]),
+    ("llama8b gate+up", [8192, 4096, 28672]),
+    ("llama8b mlp down", [8192, 14336, 4096]),
+    ("llama8b head", [8192, 4096, 128256]),
+];
 
 #[derive(Debug, Serialize)]
 struct Record {
@@ -155,11 +178,17 @@ fn bench<B: Backend>(args: &KernelArgs, device: &B::Device) -> anyhow::Result<()
     if !B::supports_dtype(device, DType::from(dtype)) {
         bail!("{runtime} device {device:?} has no {dtype:?} arithmetic");
     }
+    if args.gemm_shapes && runtime != "cuda" {
+        bail!("--gemm-shapes times cuBLASLt, which runs on CUDA only (this is {runtime})");
+    }
     let mut records = Vec::new();
     for causal in [true, false] {
         records.extend(attention_records::<B>(args, device, dtype, causal));
     }
     records.extend(matmul_records::<B>(args, device, dtype));
+    if args.gemm_shapes {
+        records.extend(gemm_records::<B>(args, device, dtype));
+    }
     records.push(bias_gelu_record::<B>(args, device, dtype));
     records.push(swiglu_record::<B>(args, device, dtype));
     records.push(rope_record::<B>(args, device, dtype));
@@ -372,6 +401,58 @@ fn matmul_records<B: Backend>(
         },
         record("matmul+bias+gelu", label, dtype, flops, epilogue),
     ]
+}
+
+/// cuBLASLt (through `Parallel<B>` with the vendor tier on) against Burn's CubeCL matmul (`B`'s
+/// own), at `--matmul-size`³ and at [`GEMM_SHAPES`], `2·m·n·k` FLOPs each, with their outputs
+/// compared. The tier is on for these rows only: under fusion the matmul runs when the device
+/// synchronises, after the closure returns, so it stays on until every row is measured.
+fn gemm_records<B: Backend>(
+    args: &KernelArgs,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> Vec<Record> {
+    let was_on = vendor_matmul();
+    set_vendor_matmul(true);
+    let size = args.matmul_size;
+    let square = ("square", [size, size, size]);
+    let records = std::iter::once(square)
+        .chain(GEMM_SHAPES)
+        .map(|(name, [m, k, n])| {
+            let draw = |shape: [usize; 2]| {
+                Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+            };
+            let (lhs, rhs) = (draw([m, k]), draw([k, n]));
+            let times = alternate::<B>(
+                device,
+                args.rounds,
+                || {
+                    let _ = decorated(&lhs).matmul(decorated(&rhs));
+                },
+                || {
+                    let _ = lhs.clone().matmul(rhs.clone());
+                },
+            );
+            let ours = decorated(&lhs).matmul(decorated(&rhs));
+            let ours = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
+                ours.into_primitive().tensor(),
+            ));
+            let difference = relative_difference(ours, lhs.clone().matmul(rhs.clone()));
+            let flops = 2.0 * (m * n * k) as f64;
+            Record {
+                difference: Some(difference),
+                ..record(
+                    &format!("{name} cuBLASLt"),
+                    format!("{m}x{k}·{k}x{n}"),
+                    dtype,
+                    flops,
+                    times,
+                )
+            }
+        })
+        .collect();
+    set_vendor_matmul(was_on);
+    records
 }
 
 /// The fused bias + GELU's forward and backward (`bias_gelu` on `Autodiff<Parallel<B>>`, one

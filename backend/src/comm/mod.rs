@@ -32,6 +32,8 @@ pub mod nccl;
 pub mod nccl_device;
 #[cfg(feature = "cuda")]
 pub(crate) mod nccl_tensor;
+#[cfg(feature = "cuda")]
+mod nccl_watchdog;
 /// Without the `cuda` feature no tensor is a CUDA tensor: every collective takes the host path.
 #[cfg(not(feature = "cuda"))]
 pub(crate) mod nccl_tensor {

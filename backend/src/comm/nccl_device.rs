@@ -9,10 +9,15 @@
 //!
 //! **Ordering.** Each collective is enqueued on the communicator's own CUDA stream, in the
 //! device's primary context (the one CubeCL uses). The caller must have finished (synchronised)
-//! the work that produces the input buffers before calling, because CubeCL does not expose its
-//! streams for event-based ordering; the call returns after the collective completed on the
-//! device, so the output can be used by any stream afterwards. Waiting polls an event, so a
-//! stuck peer becomes a timeout (the communicator is then aborted) instead of a hang.
+//! the work that produces the input buffers before calling; the call returns after the
+//! collective completed on the device, so the output can be used by any stream afterwards.
+//! Waiting polls an event, so a stuck peer becomes a timeout (the communicator is then aborted)
+//! instead of a hang.
+//!
+//! **On another stream** ([`NcclComm::on_stream`]): the collectives called inside are enqueued
+//! on the caller's stream (CubeCL's, ordered after the kernels that wrote the inputs) and return
+//! at once; their deadline is kept by the communicator's watchdog thread
+//! ([`super::nccl_watchdog`]).
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -23,6 +28,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use super::element::{ReduceOp, WireDType};
 use super::error::CommError;
 use super::nccl::{NcclLibrary, RawComm, RawStream, UniqueId, nccl_dtype, nccl_op};
+use super::nccl_watchdog::Watchdog;
 
 /// Why CUDA is not usable, checked without touching anything that would panic.
 pub fn check_cuda_driver() -> Result<(), CommError> {
@@ -56,6 +62,10 @@ pub struct NcclComm {
     stream: Arc<CudaStream>,
     group: String,
     ordinal: usize,
+    /// The stream collectives go to inside [`Self::on_stream`], instead of `stream`.
+    on_stream: Option<RawStream>,
+    /// Keeps the deadline of collectives nobody waits for; started at the first.
+    watchdog: Option<Watchdog>,
     rank: usize,
     timeout: Duration,
 }
@@ -103,6 +113,8 @@ impl NcclComm {
             stream,
             group: member.group,
             ordinal,
+            on_stream: None,
+            watchdog: None,
             rank: member.rank,
             timeout: member.timeout,
         })
@@ -114,7 +126,28 @@ impl NcclComm {
     }
 
     fn raw_stream(&self) -> RawStream {
-        self.stream.cu_stream() as RawStream
+        self.on_stream
+            .unwrap_or(self.stream.cu_stream() as RawStream)
+    }
+
+    /// Runs `f` with every collective it calls enqueued on `stream` (a stream of this device's
+    /// primary context) and returning once enqueued, not completed: work queued on `stream`
+    /// later runs after them. Their deadline is the watchdog's ([`super::nccl_watchdog`]).
+    pub fn on_stream<T>(&mut self, stream: RawStream, f: impl FnOnce(&mut Self) -> T) -> T {
+        self.on_stream = Some(stream);
+        let result = f(self);
+        self.on_stream = None;
+        result
+    }
+
+    /// Hands the collective `call`, just enqueued on `stream`, to the watchdog.
+    fn watch(&mut self, call: &str, stream: RawStream) -> Result<(), CommError> {
+        let (library, comm, context) = (self.library, self.comm, self.context.clone());
+        let who = format!("{} rank {}", self.group, self.rank);
+        let watchdog = self
+            .watchdog
+            .get_or_insert_with(|| Watchdog::start(library, comm, context, who));
+        watchdog.watch(call, stream, self.timeout)
     }
 
     /// Enqueues one NCCL call (which returns its status) on a live communicator and waits for
@@ -132,7 +165,10 @@ impl NcclComm {
         let result = self
             .library
             .check(call, status)
-            .and_then(|()| self.wait(call));
+            .and_then(|()| match self.on_stream {
+                Some(stream) => self.watch(call, stream),
+                None => self.wait(call),
+            });
         result.map_err(|error| self.abort(error))
     }
 
@@ -530,6 +566,8 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // The watchdog first: it waits for the collectives still pending on the communicator.
+        drop(self.watchdog.take());
         if !self.comm.is_null() {
             let _ = self.context.bind_to_thread();
             // SAFETY: the communicator is live and dropped once.

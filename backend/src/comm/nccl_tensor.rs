@@ -9,13 +9,19 @@
 //! (`comm::tensor`). The test is by type, so all ranks of a group take the same path when they
 //! use the same backend. `WILDFIRE_NCCL=0` forces the host path for CUDA tensors too.
 //!
-//! **Ordering against CubeCL.** CubeCL queues its kernels on a stream it does not expose. Before
-//! each collective this module allocates the output through CubeCL, resolves both device
-//! pointers, and waits for CubeCL's queue (`client.sync()`): the input is then complete and the
-//! output memory exists. NCCL runs on the communicator's own stream, and the call returns after
-//! NCCL finished (an event polled within the group's deadline, see `nccl_device`), so kernels
-//! CubeCL queues afterwards read a finished output. The price is one host synchronisation per
-//! collective; nothing is copied.
+//! **Ordering against CubeCL.** By default, before each collective this module allocates the
+//! output through CubeCL, resolves both device pointers, and waits for CubeCL's queue
+//! (`client.sync()`): the input is then complete and the output memory exists. NCCL runs on the
+//! communicator's own stream, and the call returns after NCCL finished (an event polled within
+//! the group's deadline, see `nccl_device`), so kernels CubeCL queues afterwards read a finished
+//! output. The price is one host synchronisation per collective; nothing is copied.
+//!
+//! **On CubeCL's stream** (`WILDFIRE_NCCL_STREAM=1`; off by default, not yet run on a GPU): the
+//! collective is enqueued on the stream CubeCL launches on, through the CUDA seam
+//! (`crate::cuda::stream`), after the kernels that wrote its input and before those that read
+//! its output, and returns at once: no host synchronisation. Its deadline is then kept by the
+//! communicator's watchdog (`nccl_watchdog`), which ends the process when a collective misses
+//! it, as PyTorch's NCCL process group does.
 //!
 //! **Layout.** NCCL concatenates and splits flat buffers, i.e. along the first dimension of a
 //! contiguous tensor. A collective along dimension `d` permutes `d` to the front (a view), makes
@@ -59,13 +65,21 @@ use super::error::CommError;
 use super::group::ProcessGroup;
 use super::layout::split_sizes;
 use super::mailbox::OpKind;
-use super::nccl::{NcclLibrary, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id};
+use super::nccl::{
+    NcclLibrary, RawStream, UNIQUE_ID_BYTES, UniqueId, nccl_dtype, nccl_op, share_unique_id,
+};
 use super::nccl_device::{NcclComm, NcclMember, check_cuda_driver};
 use crate::fusion::{self, FusedTensor};
 use crate::typecast::{cast, same};
 
 /// burn-cuda's tensor primitive (float, int and bool alike).
 pub(crate) type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// Whether collectives go on CubeCL's stream (`WILDFIRE_NCCL_STREAM=1`; read once).
+fn on_cubecl_stream() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WILDFIRE_NCCL_STREAM").is_ok_and(|v| v == "1"))
+}
 
 fn nccl_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
@@ -222,20 +236,44 @@ fn sync_cubecl(client: &Client) -> Result<(), CommError> {
     block_on(client.sync()).map_err(|e| cuda_error("waiting for CubeCL's queue", e))
 }
 
-/// A new output buffer of `out_bytes` bytes, and the device pointers of the input and the output,
-/// with CubeCL's queue drained. NCCL never touches a buffer of no bytes, so an empty input lends
-/// the output's pointer, and an empty output still gets a byte (CubeCL does not promise a device
+/// A new output buffer of `out_bytes` bytes, after `call(comm, input pointer, output pointer)`
+/// ran on it: with CubeCL's queue drained first, or, on CubeCL's stream, in its queue order
+/// (see the module doc). NCCL never touches a buffer of no bytes, so an empty input lends the
+/// output's pointer, and an empty output still gets a byte (CubeCL does not promise a device
 /// address for an empty allocation).
-fn buffers(input: &CudaTensor, out_bytes: usize) -> Result<(Handle, u64, u64), CommError> {
+fn run_on_buffers(
+    comm: &mut NcclComm,
+    input: &CudaTensor,
+    out_bytes: usize,
+    call: impl FnOnce(&mut NcclComm, u64, u64) -> Result<(), CommError> + Send,
+) -> Result<Handle, CommError> {
     let output = input.client.empty(out_bytes.max(1));
+    let empty_input = input.handle.size() == 0;
+    if on_cubecl_stream() {
+        let handles = [output.clone(), input.handle.clone()];
+        let handles = if empty_input {
+            &handles[..1]
+        } else {
+            &handles[..]
+        };
+        crate::cuda::stream::enqueue(&input.device, handles, |stream, pointers| {
+            let (output_ptr, input_ptr) = (pointers[0], *pointers.last().unwrap());
+            comm.on_stream(stream as RawStream, |comm| {
+                call(comm, input_ptr, output_ptr)
+            })
+        })
+        .map_err(CommError::Nccl)?;
+        return Ok(output);
+    }
     let output_ptr = device_ptr(&input.client, &output)?;
-    let input_ptr = if input.handle.size() == 0 {
+    let input_ptr = if empty_input {
         output_ptr
     } else {
         device_ptr(&input.client, &input.handle)?
     };
     sync_cubecl(&input.client)?;
-    Ok((output, input_ptr, output_ptr))
+    call(comm, input_ptr, output_ptr)?;
+    Ok(output)
 }
 
 fn element_count(shape: &[usize]) -> usize {
@@ -301,13 +339,13 @@ fn collective(
     let types = (nccl_dtype(dtype), dtype.size());
     match op {
         DeviceOp::AllReduce(reduce) => with_comm(group, &device, |comm| {
-            flat(tensor, |input, out, count| {
+            flat(comm, tensor, |comm, input, out, count| {
                 // SAFETY: both buffers hold `count` elements; CubeCL's queue is drained.
                 unsafe { comm.all_reduce(input, out, count, types.0, nccl_op(reduce)) }
             })
         }),
         DeviceOp::Broadcast(root) => with_comm(group, &device, |comm| {
-            flat(tensor, |input, out, count| {
+            flat(comm, tensor, |comm, input, out, count| {
                 // SAFETY: as above.
                 unsafe { comm.broadcast(input, out, count, types.0, root) }
             })
@@ -322,21 +360,33 @@ fn collective(
             }
             rows.insert(group.rank(), shape[dim]);
             with_comm(group, &device, |comm| {
-                along_dim(tensor, dim, rows.iter().sum(), |input, out, inner| {
-                    let counts: Vec<usize> = rows.iter().map(|r| r * inner).collect();
-                    // SAFETY: `input` holds counts[rank] elements, `out` their sum.
-                    unsafe { gather_counts(comm, input, out, &counts, types) }
-                })
+                along_dim(
+                    comm,
+                    tensor,
+                    dim,
+                    rows.iter().sum(),
+                    |comm, input, out, inner| {
+                        let counts: Vec<usize> = rows.iter().map(|r| r * inner).collect();
+                        // SAFETY: `input` holds counts[rank] elements, `out` their sum.
+                        unsafe { gather_counts(comm, input, out, &counts, types) }
+                    },
+                )
             })
         }
         DeviceOp::ReduceScatter(dim, reduce) => {
             let rows = split_sizes(shape[dim], group.size());
             with_comm(group, &device, |comm| {
-                along_dim(tensor, dim, rows[group.rank()], |input, out, inner| {
-                    let counts: Vec<usize> = rows.iter().map(|r| r * inner).collect();
-                    // SAFETY: `input` holds the sum of counts, `out` counts[rank] elements.
-                    unsafe { scatter_counts(comm, input, out, &counts, types, nccl_op(reduce)) }
-                })
+                along_dim(
+                    comm,
+                    tensor,
+                    dim,
+                    rows[group.rank()],
+                    |comm, input, out, inner| {
+                        let counts: Vec<usize> = rows.iter().map(|r| r * inner).collect();
+                        // SAFETY: `input` holds the sum of counts, `out` counts[rank] elements.
+                        unsafe { scatter_counts(comm, input, out, &counts, types, nccl_op(reduce)) }
+                    },
+                )
             })
         }
     }
@@ -385,16 +435,19 @@ unsafe fn scatter_counts(
     }
 }
 
-/// Runs `nccl(input, output, count)` where the output has the input's shape.
+/// Runs `nccl(comm, input, output, count)` where the output has the input's shape.
 fn flat(
+    comm: &mut NcclComm,
     tensor: CudaTensor,
-    nccl: impl FnOnce(u64, u64, usize) -> Result<(), CommError>,
+    nccl: impl FnOnce(&mut NcclComm, u64, u64, usize) -> Result<(), CommError> + Send,
 ) -> Result<CudaTensor, CommError> {
     let input = into_contiguous(tensor);
     let shape = input.shape();
     let count = shape.num_elements();
-    let (output, input_ptr, output_ptr) = buffers(&input, count * input.dtype.size())?;
-    nccl(input_ptr, output_ptr, count)?;
+    let out_bytes = count * input.dtype.size();
+    let output = run_on_buffers(comm, &input, out_bytes, |comm, input_ptr, output_ptr| {
+        nccl(comm, input_ptr, output_ptr, count)
+    })?;
     Ok(CubeTensor::new_contiguous(
         input.client.clone(),
         input.device.clone(),
@@ -404,14 +457,15 @@ fn flat(
     ))
 }
 
-/// Runs `nccl(input, output, inner)` on the tensor with `dim` moved to the front and made
+/// Runs `nccl(comm, input, output, inner)` on the tensor with `dim` moved to the front and made
 /// contiguous, where the output has `out_rows` rows of `inner` elements along `dim`; the result
 /// has `dim` back in place.
 fn along_dim(
+    comm: &mut NcclComm,
     tensor: CudaTensor,
     dim: usize,
     out_rows: usize,
-    nccl: impl FnOnce(u64, u64, usize) -> Result<(), CommError>,
+    nccl: impl FnOnce(&mut NcclComm, u64, u64, usize) -> Result<(), CommError> + Send,
 ) -> Result<CudaTensor, CommError> {
     let (to_front, back) = front_axes(tensor.shape().num_dims(), dim);
     let input = into_contiguous(permute(tensor, &to_front));
@@ -419,8 +473,9 @@ fn along_dim(
     let inner = element_count(&dims[1..]);
     dims[0] = out_rows;
     let out_bytes = out_rows * inner * input.dtype.size();
-    let (output, input_ptr, output_ptr) = buffers(&input, out_bytes)?;
-    nccl(input_ptr, output_ptr, inner)?;
+    let output = run_on_buffers(comm, &input, out_bytes, |comm, input_ptr, output_ptr| {
+        nccl(comm, input_ptr, output_ptr, inner)
+    })?;
     let gathered = CubeTensor::new_contiguous(
         input.client.clone(),
         input.device.clone(),

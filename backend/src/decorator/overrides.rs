@@ -6,7 +6,7 @@
 
 use burn::tensor::backend::{Backend, ExecutionError};
 use burn::tensor::ops::{BoolTensor, FloatTensor, IntTensor};
-use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
+use burn::tensor::{DType, FloatDType, Shape, TensorData, TensorMetadata};
 
 use super::Parallel;
 use super::reads::{as_read, count_read};
@@ -16,10 +16,11 @@ use crate::kernels::{self, add};
 
 /// Float matmul under the process-wide [`MatmulPrecision`](crate::kernels::matmul::MatmulPrecision)
 /// policy: the inner backend's own when it is off (on Flex in f32, the same products without
-/// Flex's copy of each output: [`matmul::flex`]); otherwise inputs rounded to bf16 or f16,
-/// products accumulated in f32, the result in `lhs`'s type (the mixed-precision kernel on
-/// CubeCL backends, its reference elsewhere). Under `Autodiff<Parallel<B>>` the
-/// backward's matmuls come here too.
+/// Flex's copy of each output: [`matmul::flex`]; on CUDA with the vendor tier on, the
+/// mixed-precision op in the inputs' own type, whose product cuBLASLt computes:
+/// [`matmul::vendor`]); otherwise inputs rounded to bf16 or f16, products accumulated in f32,
+/// the result in `lhs`'s type (the mixed-precision kernel on CubeCL backends, its reference
+/// elsewhere). Under `Autodiff<Parallel<B>>` the backward's matmuls come here too.
 pub(super) fn float_matmul<B: Backend>(
     lhs: FloatTensor<Parallel<B>>,
     rhs: FloatTensor<Parallel<B>>,
@@ -27,6 +28,10 @@ pub(super) fn float_matmul<B: Backend>(
     match matmul_precision().compute_dtype() {
         None => match on_flex("matmul", [lhs, rhs], matmul::flex::matmul) {
             Ok([product]) => product,
+            Err([lhs, rhs]) if matmul::vendor::takes_backend::<B>() => {
+                let own = FloatDType::from(lhs.dtype());
+                policy_matmul::<B>(lhs, rhs, own)
+            }
             Err([lhs, rhs]) => B::float_matmul(lhs, rhs),
         },
         Some(compute) => {

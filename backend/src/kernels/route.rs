@@ -210,6 +210,8 @@ pub enum KernelPath {
     CubeClFused,
     /// Flex's native loops.
     Flex,
+    /// A vendor library's kernel (cuBLASLt's GEMM), on the stream CubeCL launches on.
+    Vendor,
     /// The reference in Burn tensor ops.
     Reference,
 }
@@ -220,6 +222,7 @@ impl std::fmt::Display for KernelPath {
             Self::CubeCl => "the CubeCL kernel",
             Self::CubeClFused => "the CubeCL kernel in the fusion stream",
             Self::Flex => "Flex's native loops",
+            Self::Vendor => "the vendor library's kernel",
             Self::Reference => "the reference in Burn ops",
         })
     }
@@ -232,7 +235,7 @@ static TAKEN: Mutex<BTreeMap<(&'static str, KernelPath), u64>> = Mutex::new(BTre
 static DECLINED: Mutex<BTreeMap<&'static str, String>> = Mutex::new(BTreeMap::new());
 
 /// Counts a call of `op` on `path`; the first of each is logged.
-fn record(op: &'static str, path: KernelPath) {
+pub(crate) fn record(op: &'static str, path: KernelPath) {
     let mut taken = TAKEN
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -244,7 +247,7 @@ fn record(op: &'static str, path: KernelPath) {
 }
 
 /// Notes that `op`'s kernel declined a call (logged the first time, at `debug` after).
-fn declined(op: &'static str, reason: &str) {
+pub(crate) fn declined(op: &'static str, reason: &str) {
     let mut declined = DECLINED
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());

@@ -2,7 +2,6 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::cast;
-use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeRuntime};
 
@@ -14,9 +13,10 @@ use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
 /// take them: a dtype outside f32, f16 and bf16 or one the device lacks, an empty dim, batch
 /// dims that do not broadcast, or mismatched shapes.
 ///
-/// The inputs are cast to the compute type and multiplied by Burn's CubeCL matmul
-/// (cubek-matmul, autotuned in a build with `cuda`; tensor cores where the device has them),
-/// which accumulates half-precision inputs in f32 and writes the product in f32 when an
+/// The inputs are cast to the compute type and multiplied by cuBLASLt where the vendor tier
+/// takes them ([`super::vendor`], CUDA only, off by default), else by Burn's CubeCL matmul
+/// (cubek-matmul, autotuned in a build with `cuda`; tensor cores where the device has them);
+/// both accumulate half-precision inputs in f32 and writes the product in f32 when an
 /// epilogue follows (the output type otherwise). The epilogue then reads the product once and writes the output.
 pub fn kernel<R: CubeRuntime>(
     lhs: CubeTensor<R>,
@@ -37,8 +37,7 @@ pub fn kernel<R: CubeRuntime>(
     let output = DType::from(spec.output);
     let has_epilogue = bias.is_some() || spec.gelu;
     let product_type = if has_epilogue { DType::F32 } else { output };
-    let product = matmul(lhs, rhs, None, MatmulStrategy::default(), product_type)
-        .map_err(|error| format!("Burn's CubeCL matmul declined: {error}"))?;
+    let product = super::vendor::product(lhs, rhs, product_type)?;
     if !has_epilogue {
         return Ok(product);
     }

@@ -19,6 +19,52 @@
 //! (`stride[d] = stride[inner]·(the sizes merged so far)` for every operand, the output
 //! included) merge into one strided-batched call; each combination of the outer ones is a call
 //! of its own with its own base offsets.
+//!
+//! **Types** ([`gemm_types`]): both inputs of one type, f32, f16 or bf16, with the output in
+//! that type or, for f16 and bf16, in f32 (the product an epilogue reads); always accumulated
+//! in f32, f32 inputs as full f32 products unless the precision policy is `tf32`.
+
+use burn::tensor::DType;
+
+use super::MatmulPrecision;
+
+/// The types of one vendor GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmTypes {
+    /// Both inputs' type.
+    pub input: DType,
+    /// The output's type: the input's, or f32.
+    pub output: DType,
+    /// f32 inputs on TF32 tensor cores.
+    pub tf32: bool,
+}
+
+/// The types of a vendor GEMM of `lhs` and `rhs` giving `output` under `precision`, or why the
+/// tier does not take them (see the module doc).
+pub fn gemm_types(
+    lhs: DType,
+    rhs: DType,
+    output: DType,
+    precision: MatmulPrecision,
+) -> Result<GemmTypes, String> {
+    if lhs != rhs {
+        return Err(format!("inputs of two types, {lhs:?} and {rhs:?}"));
+    }
+    if ![DType::F32, DType::F16, DType::BF16].contains(&lhs) {
+        return Err(format!("inputs in {lhs:?} (f32, f16 and bf16 are taken)"));
+    }
+    if output != lhs && output != DType::F32 {
+        return Err(format!(
+            "{lhs:?} inputs with a {output:?} output (the inputs' type or f32)"
+        ));
+    }
+    let tf32 = lhs == DType::F32 && precision == MatmulPrecision::Tf32;
+    Ok(GemmTypes {
+        input: lhs,
+        output,
+        tf32,
+    })
+}
 
 /// One strided-batched GEMM, column-major, in cuBLAS's terms: for `b < batch`,
 /// `C_b = op_a(A_b)·op_b(B_b)` with `X_b` at `offset_x + b·stride_x` (elements) and
@@ -414,7 +460,11 @@ mod tests {
         );
         // A batch dimension innermost leaves the matrices no unit stride.
         let declined = plan(view(&[3, 4, 2], &[1, 6, 3]), view(&[3, 2, 2], &[4, 2, 1]));
-        assert!(declined.unwrap_err().contains("lhs strides [1, 6, 3] need a copy"));
+        assert!(
+            declined
+                .unwrap_err()
+                .contains("lhs strides [1, 6, 3] need a copy")
+        );
         // A broadcast row (stride 0 across rows) is not a matrix a BLAS reads.
         assert!(plan(view(&[4, 3], &[1, 1]), view(&[3, 2], &[0, 1])).is_err());
         let declined =
@@ -426,5 +476,58 @@ mod tests {
         let declined = plan(view(&[4, 3], &[3, 1]), view(&[2, 2], &[2, 1])).unwrap_err();
         assert!(declined.contains("inner dimensions differ"), "{declined}");
         assert!(plan(view(&[0, 3], &[3, 1]), view(&[3, 2], &[2, 1])).is_err());
+    }
+
+    #[test]
+    fn the_vendor_call_takes_one_float_type_in_and_that_type_or_f32_out() {
+        use MatmulPrecision::{Bf16, Off, Tf32};
+        let bf16 = gemm_types(DType::BF16, DType::BF16, DType::BF16, Bf16).unwrap();
+        assert_eq!(
+            (bf16.input, bf16.output, bf16.tf32),
+            (DType::BF16, DType::BF16, false)
+        );
+        let into_f32 = gemm_types(DType::F16, DType::F16, DType::F32, Off).unwrap();
+        assert_eq!((into_f32.input, into_f32.output), (DType::F16, DType::F32));
+        assert!(
+            !gemm_types(DType::F32, DType::F32, DType::F32, Off)
+                .unwrap()
+                .tf32
+        );
+        assert!(
+            gemm_types(DType::F32, DType::F32, DType::F32, Tf32)
+                .unwrap()
+                .tf32
+        );
+        assert!(
+            !gemm_types(DType::BF16, DType::BF16, DType::F32, Tf32)
+                .unwrap()
+                .tf32
+        );
+
+        let refused = [
+            (
+                DType::F16,
+                DType::BF16,
+                DType::F32,
+                "inputs of two types, F16 and BF16",
+            ),
+            (DType::F64, DType::F64, DType::F64, "inputs in F64"),
+            (
+                DType::F32,
+                DType::F32,
+                DType::BF16,
+                "F32 inputs with a BF16 output",
+            ),
+            (
+                DType::F16,
+                DType::F16,
+                DType::BF16,
+                "F16 inputs with a BF16 output",
+            ),
+        ];
+        for (lhs, rhs, output, reason) in refused {
+            let error = gemm_types(lhs, rhs, output, Off).unwrap_err();
+            assert!(error.contains(reason), "{error}");
+        }
     }
 }

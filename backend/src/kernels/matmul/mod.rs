@@ -9,6 +9,7 @@
 //!
 //! Two implementations with one meaning:
 //! - **the CubeCL path** ([`kernel`]): the inputs cast to the compute type and multiplied by
+//!   cuBLASLt where its tier takes them ([`vendor`]: CUDA, off by default), else by
 //!   Burn's own CubeCL matmul (cubek-matmul, on tensor cores where the device has them;
 //!   autotuned in a build with `cuda`, which turns on Burn's `autotune`, one fixed kernel
 //!   otherwise), which accumulates f16 and bf16 inputs in f32; then, when there is a bias or GELU,
@@ -37,6 +38,7 @@ pub use cube::kernel;
 mod cube;
 pub mod flex;
 pub mod gemm_plan;
+pub mod vendor;
 
 /// Which type the float matmuls of `Parallel<B>` compute in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -52,7 +54,8 @@ pub enum MatmulPrecision {
     /// TF32 tensor cores (inputs rounded to a 10-bit mantissa, accumulated in f32), PyTorch's
     /// `set_float32_matmul_precision("high")`: CUDA devices only. It is the backend's own
     /// matmul: Burn 0.21's CUDA matmul (cubek-matmul) already stages f32 inputs as TF32
-    /// wherever its tensor-core kernel runs, so on CUDA `Off` computes alike.
+    /// wherever its tensor-core kernel runs, so on CUDA `Off` computes alike. Under the vendor
+    /// tier ([`vendor`]) it tells cuBLASLt to use TF32, which `Off` does not.
     Tf32,
 }
 
