@@ -9,6 +9,7 @@
 pub mod alloc;
 pub mod collective;
 pub mod comm;
+pub mod compare;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod decorator;

@@ -12,6 +12,7 @@ use burn::backend::Cuda;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::Parallel;
+use wildfire_backend::compare::{assert_same_length, nan_max};
 use wildfire_backend::cuda::cublaslt;
 use wildfire_backend::device::FusedCuda;
 use wildfire_backend::kernels::matmul::gemm_plan::GemmTypes;
@@ -106,15 +107,11 @@ fn exact(case: Case, lhs: &[f32], rhs: &[f32], dtype: FloatDType) -> (Vec<f64>, 
 
 /// The worst error of `got` relative to each element's `Σₗ|aₗbₗ|` (NaN when any is NaN).
 fn worst_relative(got: &[f64], exact: &[f64], magnitude: &[f64]) -> f64 {
-    assert_eq!(got.len(), exact.len(), "the product's length");
-    got.iter()
-        .zip(exact)
-        .zip(magnitude)
-        .map(|((g, e), s)| (g - e).abs() / s.max(f64::MIN_POSITIVE))
-        .fold(
-            0.0,
-            |worst: f64, x| if x.is_nan() { f64::NAN } else { worst.max(x) },
-        )
+    assert_same_length(got.len(), exact.len());
+    nan_max(
+        (got.iter().zip(exact).zip(magnitude))
+            .map(|((g, e), s)| (g - e).abs() / s.max(f64::MIN_POSITIVE)),
+    )
 }
 
 fn values_of<B: Backend>(tensor: Tensor<B, 3>) -> Vec<f64> {

@@ -23,6 +23,7 @@
 use burn::backend::{Flex, Wgpu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use wildfire_backend::compare::{assert_same_length, nan_max, within};
 use wildfire_backend::kernels::matmul::{self, MixedMatmul, mixed_matmul};
 
 use crate::common::{KernelBackend, gelu, has_dtype, rounded, uniform, unit_roundoff};
@@ -191,7 +192,8 @@ fn failures<B: Backend>(
                     input_roundoff,
                 };
                 let worst = bound.worst_excess(&actual, &exact, &magnitude);
-                if worst > 0.0 {
+                // A NaN excess fails too.
+                if !within(worst, 0.0) {
                     failures.push(format!(
                         "{case:?} {spec:?} bias {with_bias}: beyond the bound by {worst:e}"
                     ));
@@ -228,13 +230,11 @@ impl Bound {
 
     /// The largest amount by which an element misses its bound (0 when none does).
     fn worst_excess(&self, actual: &[f64], exact: &[f64], magnitude: &[f64]) -> f64 {
-        assert_eq!(actual.len(), exact.len());
-        actual
-            .iter()
-            .zip(exact)
-            .zip(magnitude)
-            .map(|((a, e), m)| (a - e).abs() - self.of(*e, *m))
-            .fold(0.0, f64::max)
+        assert_same_length(actual.len(), exact.len());
+        nan_max(
+            (actual.iter().zip(exact).zip(magnitude))
+                .map(|((a, e), m)| (a - e).abs() - self.of(*e, *m)),
+        )
     }
 }
 
@@ -361,4 +361,26 @@ fn the_kernel_declines_mismatched_batches_and_the_reference_runs() {
         reason.contains("bias") && reason.contains("5 columns"),
         "{reason}"
     );
+}
+
+/// The bound's check fails on a NaN element (an excess of NaN is never within 0) and refuses a
+/// result shorter than the exact one.
+#[test]
+fn the_bound_fails_a_nan_and_refuses_a_short_result() {
+    let bound = Bound {
+        k: 4,
+        spec: MixedMatmul {
+            compute: FloatDType::F32,
+            output: FloatDType::F32,
+            gelu: false,
+        },
+        data: Data::Random,
+        input_roundoff: 0.0,
+    };
+    let (exact, magnitude) = ([1.0, 2.0, 3.0], [4.0, 4.0, 4.0]);
+    assert!(within(bound.worst_excess(&exact, &exact, &magnitude), 0.0));
+    let excess = bound.worst_excess(&[1.0, f64::NAN, 3.0], &exact, &magnitude);
+    assert!(!within(excess, 0.0), "a NaN element scored {excess}");
+    let short = std::panic::catch_unwind(|| bound.worst_excess(&[1.0, 2.0], &exact, &magnitude));
+    assert!(short.is_err(), "a short result was compared as a prefix");
 }

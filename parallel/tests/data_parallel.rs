@@ -7,6 +7,7 @@
 //! AdamW kernel steps ZeRO 1's flat slices as it steps DDP's whole tensors, bit for bit.
 
 use std::collections::HashMap;
+use wildfire_backend::compare::relative_difference;
 
 use crate::common::{assert_close, threads, values};
 use burn::backend::{Autodiff, Flex};
@@ -514,17 +515,11 @@ fn on_wgpu_zero1_with_the_adamw_kernel_equals_ddp_with_it() {
             for (id, values) in fused {
                 let what = format!("rank {rank} step {step} {id}: the kernel against Burn's");
                 assert_close(values, &burn[id], 1e-5, &what);
-                worst = worst.max(largest_relative_difference(values, &burn[id]));
+                worst = worst.max(relative_difference(values, &burn[id]) as f32);
             }
         }
     }
     println!("the AdamW kernel against Burn's over {FUSED_STEPS} steps: {worst:.1e} at worst");
-}
-
-/// The largest `|a − b|` over `max|b|` (both of one length, finite: `assert_close` held).
-fn largest_relative_difference(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    (a.iter().zip(b)).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
 /// Three DDP steps at dp 2 with clipping and a loss scale, through `Update::update` directly

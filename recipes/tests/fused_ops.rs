@@ -9,6 +9,7 @@ use burn::backend::Autodiff;
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
+use wildfire_backend::compare::relative_difference;
 use wildfire_backend::device::FusedWgpu;
 use wildfire_backend::kernels::choice::FusedOps;
 use wildfire_backend::kernels::probe;
@@ -133,12 +134,7 @@ fn compare_preset<A: AutodiffBackend + DecoratedBackend>(
     );
     let mut identical = true;
     for ((name, a), (_, b)) in fused.iter().zip(&decomposed) {
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / scale)
-            .fold(0.0, f32::max);
+        let worst = relative_difference(a, b) as f32;
         assert!(
             worst < tolerance.gradient,
             "{preset:?} {name}: gradients differ by {worst:e} of their largest"

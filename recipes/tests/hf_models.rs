@@ -23,6 +23,7 @@
 //! the prompt to our ids and decodes our ids to our text (tests/python/check_hf_tokenizer.py).
 
 use std::path::{Path, PathBuf};
+use wildfire_backend::compare::max_abs_difference;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use serde_json::Value;
@@ -76,13 +77,8 @@ fn logits(model: &Gpt<CpuBackend>, prompt: &[u32]) -> Vec<Vec<f32>> {
 
 /// Every value of `ours` within [`LOGITS`] of `theirs` (a NaN or a missing value fails).
 fn assert_logits(ours: &[f32], theirs: &[f64], what: &str) {
-    assert_eq!(ours.len(), theirs.len(), "{what}: vocabulary");
-    let worst = (ours.iter().zip(theirs))
-        .map(|(a, b)| (*a as f64 - b).abs())
-        .fold(
-            0.0,
-            |worst: f64, d| if d.is_nan() { f64::NAN } else { worst.max(d) },
-        );
+    let ours: Vec<f64> = ours.iter().map(|&x| f64::from(x)).collect();
+    let worst = max_abs_difference(&ours, theirs);
     println!("{what}: logits {worst:e} apart at worst");
     assert!(worst <= LOGITS, "{what}: logits {worst:e} apart");
 }

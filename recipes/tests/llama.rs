@@ -11,6 +11,7 @@
 use burn::backend::Flex;
 use burn::module::{Module, Param};
 use burn::tensor::{Int, Tensor, TensorData};
+use wildfire_backend::compare::max_abs_difference;
 use wildfire_recipes::data::TokenizerKind;
 use wildfire_recipes::generate::{Sampling, continue_tokens, load_model};
 use wildfire_recipes::hf::{self, files, names};
@@ -243,12 +244,9 @@ fn llama_hugging_face_weights_round_trip() {
     );
     let mine: Vec<f32> = model.forward(input).into_data().to_vec().unwrap();
     let vocab = logits[0].len();
-    let worst = logits
-        .iter()
-        .flatten()
-        .zip(&mine)
-        .map(|(a, b)| (a - *b as f64).abs())
-        .fold(0.0, f64::max);
+    let theirs: Vec<f64> = logits.iter().flatten().copied().collect();
+    let mine: Vec<f64> = mine.iter().map(|&x| f64::from(x)).collect();
+    let worst = max_abs_difference(&theirs, &mine);
     println!("llama logits against transformers: worst difference {worst:e} over {vocab} tokens");
     assert!(worst < 1e-4, "logits {worst:e} apart");
     let sampling = Sampling {
@@ -543,11 +541,7 @@ fn grouped_query_attention_equals_attention_with_repeated_heads() {
             .into_data()
             .to_vec()
             .unwrap();
-        let worst = expected
-            .iter()
-            .zip(&got)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = max_abs_difference(&expected, &got);
         assert!(
             worst <= 1e-6,
             "n_kv_head {n_kv_head}: logits {worst:e} apart"

@@ -36,6 +36,7 @@
 
 use std::path::Path;
 use std::time::Duration;
+use wildfire_backend::compare::{max_abs_difference, relative_difference};
 
 use crate::common::*;
 use burn::backend::Autodiff;
@@ -468,13 +469,11 @@ fn a_tensor_parallel_block_communicates_as_megatron() {
             } else {
                 expected
             };
-            let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = output
-                .iter()
-                .zip(&expected)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(worst <= 1e-5 * scale, "{what}: output differs by {worst}");
+            let worst = relative_difference(&output, &expected);
+            assert!(
+                worst <= 1e-5,
+                "{what}: output differs by {worst:e} of its largest"
+            );
         }
     }
 }
@@ -536,12 +535,7 @@ fn the_head_norms_gradient_summed_over_tp_2_is_the_serial_one() {
             for (i, name) in ["q_norm", "k_norm"].into_iter().enumerate() {
                 let what = format!("rank {rank}, sequence parallel {sequence_parallel}, {name}");
                 let scale = serial[i].iter().fold(0f32, |m, v| m.max(v.abs()));
-                let apart = |got: &[f32]| -> f32 {
-                    assert_eq!(got.len(), serial[i].len(), "{what}: length");
-                    (got.iter().zip(&serial[i]))
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, |m, v| if v.is_nan() { f32::NAN } else { m.max(v) })
-                };
+                let apart = |got: &[f32]| max_abs_difference(got, &serial[i]) as f32;
                 let (own, summed) = (apart(&own[i]), apart(&summed[i]));
                 assert!(
                     own > 1e-2 * scale,

@@ -130,13 +130,9 @@ pub fn rank_reports<T: serde::de::DeserializeOwned>(
         .collect()
 }
 
-/// The largest difference between `a` and `b`, relative to the largest magnitude in `b`.
-pub fn relative_difference(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "lengths");
-    let scale = b.iter().fold(f64::MIN_POSITIVE, |m, v| m.max(v.abs()));
-    let worst = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-    worst / scale
-}
+/// The largest difference between `a` and `b`, relative to the largest magnitude in `b`: NaN
+/// when any value is NaN; differing lengths panic ([`wildfire_backend::compare`]).
+pub use wildfire_backend::compare::relative_difference;
 
 /// `values` as f64.
 pub fn widened(values: &[f32]) -> Vec<f64> {

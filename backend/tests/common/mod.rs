@@ -11,6 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
+use wildfire_backend::compare::relative_difference;
 use wildfire_backend::kernels::probe;
 
 /// A backend the CubeCL kernels run on, its tensors being the runtime's.
@@ -81,20 +82,12 @@ pub fn output_and_grads<A: AutodiffBackend>(
     ]
 }
 
-/// `max |actual − expected| / max |expected|`.
+/// `max |actual − expected| / max |expected|`: NaN when any value is NaN; differing lengths
+/// panic ([`wildfire_backend::compare`]).
 pub fn relative_error(actual: TensorData, expected: TensorData) -> f32 {
     let actual: Vec<f32> = actual.convert::<f32>().to_vec().unwrap();
     let expected: Vec<f32> = expected.convert::<f32>().to_vec().unwrap();
-    let scale = expected
-        .iter()
-        .fold(0.0f32, |m, x| m.max(x.abs()))
-        .max(f32::MIN_POSITIVE);
-    let worst = actual
-        .iter()
-        .zip(&expected)
-        .map(|(a, e)| (a - e).abs())
-        .fold(0.0f32, f32::max);
-    worst / scale
+    relative_difference(&actual, &expected) as f32
 }
 
 /// A deterministic stream of `count` values in [0, 1) (xorshift), from `seed`.
@@ -207,4 +200,19 @@ pub fn alone_in_a_process(name: &str) -> bool {
         "{name}: the test binary ran no test of that name"
     );
     false
+}
+
+/// [`relative_error`] is NaN (so beyond every `<=` bound) when any value is NaN, and refuses values
+/// of different lengths.
+#[test]
+fn relative_error_fails_a_nan_and_refuses_a_short_result() {
+    let data = |values: &[f32]| TensorData::new(values.to_vec(), [values.len()]);
+    let good = data(&[1.0, -2.0, 4.0]);
+    assert_eq!(relative_error(data(&[1.0, -2.0, 3.0]), good.clone()), 0.25);
+    let nan = data(&[1.0, f32::NAN, 4.0]);
+    assert!(relative_error(nan.clone(), good.clone()).is_nan());
+    assert!(relative_error(good.clone(), nan).is_nan());
+    let compare_short = || relative_error(data(&[1.0, -2.0]), good);
+    let short = std::panic::catch_unwind(std::panic::AssertUnwindSafe(compare_short));
+    assert!(short.is_err(), "a short result was compared as a prefix");
 }

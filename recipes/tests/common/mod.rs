@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use wildfire_backend::compare::{assert_same_length, nan_max, within};
 
 use burn::tensor::TensorData;
 use serde_json::Value;
@@ -276,10 +277,10 @@ pub fn worst_over_checkpoints(
         got.keys().collect::<Vec<_>>(),
         "{what}: checkpoint steps"
     );
-    let mut worst = (0.0, String::new());
+    let mut worst = (0.0f32, String::new());
     for (step, params) in &expected {
         let (value, at) = difference(params, &got[step]);
-        if value > worst.0 {
+        if is_worse(value, worst.0) {
             worst = (value, format!("step {step}: {at}"));
         }
     }
@@ -319,11 +320,17 @@ pub fn assert_trains_within(reference: &Path, run: &Path, what: &str, bounds: Bo
         over = (over.0 + count, over.1 + total);
         max_param_difference(expected, got)
     });
-    let losses = series(reference, "train", "loss")
-        .iter()
-        .zip(series(run, "train", "loss"))
-        .map(|(a, b)| (a - b).abs() / a)
-        .fold(0.0, f64::max);
+    let (reference_losses, losses) = (
+        series(reference, "train", "loss"),
+        series(run, "train", "loss"),
+    );
+    assert_same_length(reference_losses.len(), losses.len());
+    let losses = nan_max(
+        reference_losses
+            .iter()
+            .zip(losses)
+            .map(|(a, b)| (a - b).abs() / a),
+    );
     println!(
         "{what}: worst loss difference {losses:e} (relative), worst parameter difference {:e} \
          at {}, {} of {} checkpointed elements more than 1e-5 apart",
@@ -397,6 +404,16 @@ pub fn max_relative_difference(
     })
 }
 
+/// Whether `candidate` is a worse difference than `worst`: larger, or the first NaN (which then
+/// stays the worst).
+fn is_worse(candidate: f32, worst: f32) -> bool {
+    match (candidate.is_nan(), worst.is_nan()) {
+        (_, true) => false,
+        (true, false) => true,
+        (false, false) => candidate > worst,
+    }
+}
+
 /// How many parameter elements (key biases aside) differ by more than `threshold` between two
 /// runs, of how many.
 pub fn count_differences_over(
@@ -408,10 +425,12 @@ pub fn count_differences_over(
     for (name, x) in a {
         let (x, y): (Vec<f32>, Vec<f32>) =
             (x.to_vec().expect("f32"), b[name].to_vec().expect("f32"));
+        assert_same_length(x.len(), y.len());
         for (i, (p, q)) in x.iter().zip(&y).enumerate() {
             if !is_key_bias(name, i, x.len()) {
                 total += 1;
-                over += usize::from((p - q).abs() > threshold);
+                // A NaN on either side counts as over.
+                over += usize::from(!within(f64::from((p - q).abs()), f64::from(threshold)));
             }
         }
     }
@@ -419,7 +438,8 @@ pub fn count_differences_over(
 }
 
 /// The largest `|a − b| / scale(tensor of a)` over the parameters (which must be the same in
-/// both), key biases aside, and where it is.
+/// both, of the same lengths), key biases aside, and where it is; the first NaN, if any, is the
+/// largest.
 fn max_scaled_difference(
     a: &BTreeMap<String, TensorData>,
     b: &BTreeMap<String, TensorData>,
@@ -430,17 +450,18 @@ fn max_scaled_difference(
         b.keys().collect::<Vec<_>>(),
         "the same parameters"
     );
-    let mut worst = (0.0, String::new());
+    let mut worst = (0.0f32, String::new());
     for (name, x) in a {
         let (x, y): (Vec<f32>, Vec<f32>) =
             (x.to_vec().expect("f32"), b[name].to_vec().expect("f32"));
+        assert_same_length(x.len(), y.len());
         let scale = scale(&x);
         for (i, (p, q)) in x.iter().zip(&y).enumerate() {
             if is_key_bias(name, i, x.len()) {
                 continue;
             }
             let difference = (p - q).abs() / scale;
-            if difference > worst.0 {
+            if is_worse(difference, worst.0) {
                 worst = (difference, format!("{name}[{i}]: {p} vs {q}"));
             }
         }
@@ -640,4 +661,44 @@ pub fn llama3_style_tokenizer(dir: &Path, vocab: usize) -> PathBuf {
     let path = dir.join("tokenizer.json");
     tokenizer.save(&path, false).unwrap();
     path
+}
+
+/// The comparisons of two runs' parameters count or report a NaN as the worst difference, and
+/// refuse tensors of different lengths.
+#[test]
+fn the_run_comparisons_fail_a_nan_and_refuse_a_short_result() {
+    let params = |values: &[f32]| {
+        BTreeMap::from([(
+            "w".to_string(),
+            TensorData::new(values.to_vec(), [values.len()]),
+        )])
+    };
+    let good = params(&[1.0, 2.0, 3.0]);
+    let nan = params(&[1.0, f32::NAN, 3.0]);
+    assert_eq!(
+        count_differences_over(&good, &params(&[1.0, 2.5, 3.0]), 1e-5),
+        (1, 3)
+    );
+    assert_eq!(count_differences_over(&good, &nan, 1e-5), (1, 3));
+    assert!(max_param_difference(&good, &nan).0.is_nan());
+    assert!(max_param_difference(&nan, &good).0.is_nan());
+    assert!(
+        max_relative_difference(&good, &params(&[f32::NAN, 2.0, 9.0]))
+            .0
+            .is_nan()
+    );
+    assert_eq!(
+        max_param_difference(&good, &params(&[1.0, 2.0, 3.5])).0,
+        0.5
+    );
+    let short = params(&[1.0, 2.0]);
+    let refused = |compare: &dyn Fn()| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(compare)).is_err()
+    };
+    assert!(refused(&|| {
+        count_differences_over(&good, &short, 1e-5);
+    }));
+    assert!(refused(&|| drop(max_param_difference(&good, &short))));
+    assert!(refused(&|| drop(max_relative_difference(&short, &good))));
+    assert!(is_worse(f32::NAN, 1.0) && !is_worse(1.0, f32::NAN) && is_worse(2.0, 1.0));
 }

@@ -633,10 +633,7 @@ mod tests {
     fn max_difference(a: Tensor<B, 4>, b: Tensor<B, 4>) -> f32 {
         let a: Vec<f32> = a.into_data().to_vec().unwrap();
         let b: Vec<f32> = b.into_data().to_vec().unwrap();
-        a.iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        crate::compare::max_abs_difference(&a, &b) as f32
     }
 
     /// Forward and the three input gradients against decomposed attention with autodiff, for

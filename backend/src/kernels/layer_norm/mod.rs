@@ -373,11 +373,7 @@ mod tests {
     }
 
     fn max_difference(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        crate::compare::max_abs_difference(a, b) as f32
     }
 
     /// `[output, dx, dγ, dβ]` of `Σ y ∘ dy` through `norm` on backend `B`.
