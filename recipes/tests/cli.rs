@@ -3,6 +3,8 @@
 
 use std::process::{Command, Output};
 
+use crate::common::{LIMIT, finish, spawn};
+
 fn wildfire(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_wildfire"))
         .args(args)
@@ -55,7 +57,8 @@ fn launch_rejects_bad_arguments_naming_the_values() {
 
 #[test]
 fn comm_check_runs_ranks_as_threads() {
-    let out = wildfire(&["comm-check", "--threads", "2", "--small"]);
+    let args = ["comm-check", "--threads", "2", "--small"].map(str::to_string);
+    let out = finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", stderr(&out));
     assert_eq!(text.matches("comm-check passed").count(), 2, "{text}");

@@ -19,7 +19,7 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use wildfire_backend::Parallel;
-use wildfire_backend::comm::{CommOptions, ProcessGroup};
+use wildfire_backend::comm::{CommOptions, ProcessGroup, run_threads_within};
 use wildfire_backend::kernels::adamw::FusedAdamW;
 use wildfire_examples::mlp::{FEATURES, Mlp, Outcome, Run, Shape, StepLog, train};
 use wildfire_parallel::fsdp::ZeroStage;
@@ -34,6 +34,8 @@ use crate::HEAP;
 type B = Autodiff<Parallel<Flex>, BalancedCheckpointing>;
 
 const RANKS: usize = 2;
+/// How long a world of thread ranks may run before the test fails, naming the ranks left.
+const LIMIT: Duration = Duration::from_secs(300);
 const BATCH: usize = 8;
 const STEPS: usize = 10;
 
@@ -106,18 +108,15 @@ fn threads_with(
 ) -> Vec<Outcome> {
     let _one = one_world();
     let meshes = Mesh::local(ParallelDims::data(RANKS, zero), options()).unwrap();
-    let handles: Vec<_> = meshes
+    let jobs: Vec<_> = meshes
         .into_iter()
         .map(|mesh| {
             let run = tweak.clone()(run(dir, RANKS, 1, mesh.world().rank()));
             let strategy = strategy(DataParallel::new(mesh));
-            std::thread::spawn(move || train::<B>(strategy, &run).unwrap())
+            move || train::<B>(strategy, &run).unwrap()
         })
         .collect();
-    // A rank's panic goes on with its own message.
-    (handles.into_iter())
-        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-        .collect()
+    run_threads_within(jobs, LIMIT)
 }
 
 /// Within `1e-6 × max|expected|`, element by element.
@@ -484,10 +483,10 @@ fn zero_3_refuses_models_without_units_and_kept_gathers() {
 fn replicas_drawn_apart_are_named_then_broadcast() {
     let _one = one_world();
     let groups = ProcessGroup::local_world(RANKS, options()).unwrap();
-    let handles: Vec<_> = groups
+    let jobs: Vec<_> = groups
         .into_iter()
         .map(|group| {
-            std::thread::spawn(move || {
+            move || {
                 let device = Default::default();
                 // Each rank draws its own parameters, and reads them only here (lazily).
                 <B as Backend>::seed(&device, 5 + group.rank() as u64);
@@ -496,10 +495,10 @@ fn replicas_drawn_apart_are_named_then_broadcast() {
                 let model = broadcast_parameters(model, &group).unwrap();
                 verify_replicas(&model, &group).unwrap();
                 (error, model.parameters())
-            })
+            }
         })
         .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let results = run_threads_within(jobs, LIMIT);
     for (error, _) in &results {
         let ReplicaError::Differs {
             path, rank, shape, ..

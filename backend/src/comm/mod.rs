@@ -73,6 +73,6 @@ pub use layout::{split_ranges, split_sizes};
 pub use mailbox::OpKind;
 pub use store::{MAX_STORE_CONNECTIONS, StoreClient, StoreServer};
 pub(crate) use tensor::{AllGather, AllReduce, Broadcast, ReduceScatter, run_on_data};
-pub use thread_ranks::run_thread_ranks;
+pub use thread_ranks::{run_thread_ranks, run_threads_within};
 pub use transport::shm::{RING_BYTES_ENV, TRANSPORT_ENV};
 pub use transport::tcp::{ADVERTISE_ENV, BIND_ENV};

@@ -19,13 +19,28 @@ where
     F: Fn(ProcessGroup) -> R + Send + Sync + 'static,
 {
     let body = Arc::new(body);
-    let (done, results) = mpsc::channel();
     let world = ProcessGroup::local_world(size, options).expect("a local world of threads");
-    for group in world {
-        let (body, done) = (body.clone(), done.clone());
+    let jobs = world.into_iter().map(|group| {
+        let body = body.clone();
+        move || body(group)
+    });
+    run_threads_within(jobs.collect(), limit)
+}
+
+/// Runs each of `jobs` on a thread of its own (job `i` is rank `i`); the results in rank order.
+/// Panics, never hangs: naming a rank that panicked (with its message), or the ranks still
+/// running once `limit` has passed (their threads are left behind).
+pub fn run_threads_within<R, J>(jobs: Vec<J>, limit: Duration) -> Vec<R>
+where
+    R: Send + 'static,
+    J: FnOnce() -> R + Send + 'static,
+{
+    let size = jobs.len();
+    let (done, results) = mpsc::channel();
+    for (rank, job) in jobs.into_iter().enumerate() {
+        let done = done.clone();
         std::thread::spawn(move || {
-            let rank = group.rank();
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(group)));
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             let _ = done.send((rank, result));
         });
     }
