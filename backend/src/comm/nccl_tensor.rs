@@ -340,7 +340,8 @@ fn collective(
     match op {
         DeviceOp::AllReduce(reduce) => with_comm(group, &device, |comm| {
             flat(comm, tensor, |comm, input, out, count| {
-                // SAFETY: both buffers hold `count` elements; CubeCL's queue is drained.
+                // SAFETY: both buffers hold `count` elements, written before the call runs
+                // (CubeCL's queue drained, or the call ordered after it on its stream).
                 unsafe { comm.all_reduce(input, out, count, types.0, nccl_op(reduce)) }
             })
         }),
