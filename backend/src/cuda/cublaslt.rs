@@ -6,8 +6,8 @@
 //! tensor, each call enqueued on CubeCL's stream ([`super::stream::enqueue`]), accumulating in
 //! f32 (`CUBLAS_COMPUTE_32F`, or `_FAST_TF32` when asked) with `α = 1`, `β = 0`. The algorithm
 //! is cuBLASLt's heuristic's first choice for the call's descriptors and its operands' pointer
-//! alignment, asked once per distinct call and kept; the workspace (32 MiB, what cuBLAS itself uses on Hopper) comes from CubeCL's
-//! allocator for each product.
+//! alignment, asked once per distinct call and kept; the workspace (32 MiB, what cuBLAS itself
+//! uses on Hopper) comes from CubeCL's allocator for each product.
 //!
 //! The library is loaded at run time (`libcublasLt.so`, found as cudarc finds it: the loader's
 //! path, where `scripts/gpu-check.sh` puts pip's `nvidia/cublas/lib`); where it is absent,

@@ -16,8 +16,9 @@ use crate::kernels::cube_kernel::{CubeKernel, TensorSpec, unsupported_float};
 /// The inputs are cast to the compute type and multiplied by cuBLASLt where the vendor tier
 /// takes them ([`super::vendor`], CUDA only, off by default), else by Burn's CubeCL matmul
 /// (cubek-matmul, autotuned in a build with `cuda`; tensor cores where the device has them);
-/// both accumulate half-precision inputs in f32 and writes the product in f32 when an
-/// epilogue follows (the output type otherwise). The epilogue then reads the product once and writes the output.
+/// both accumulate half-precision inputs in f32 and write the product in f32 when an epilogue
+/// follows (the output type otherwise). The epilogue then reads the product once and writes
+/// the output.
 pub fn kernel<R: CubeRuntime>(
     lhs: CubeTensor<R>,
     rhs: CubeTensor<R>,

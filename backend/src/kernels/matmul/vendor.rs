@@ -7,11 +7,10 @@
 //! own type as the compute type, whose product step asks this tier first: plain products in
 //! their type, the mixed-precision policy's rounded ones, and the backward's.
 //!
-//! **What it takes**: the types [`gemm_types`](super::gemm_plan::gemm_types) takes (f32 inputs as full f32 products unless the
-//! policy is `tf32`: `CUBLAS_COMPUTE_32F_FAST_TF32`, PyTorch's
-//! `set_float32_matmul_precision("high")`). Operands
-//! whose strides would need a copy, a missing library, or a call the library refuses go to
-//! Burn's CubeCL matmul instead, the first reason logged (`kernels: matmul (cuBLASLt)'s kernel
+//! **What it takes**: the types [`gemm_types`](super::gemm_plan::gemm_types) takes (f32 inputs
+//! as full f32 products unless the policy is `tf32`: `CUBLAS_COMPUTE_32F_FAST_TF32`, PyTorch's
+//! `set_float32_matmul_precision("high")`). Operands whose strides would need a copy, a missing
+//! library, or a call the library refuses go to Burn's CubeCL matmul instead, the first reason logged (`kernels: matmul (cuBLASLt)'s kernel
 //! declined a call: ...`), every call counted by path ([`super::super::route::kernel_paths`]).
 
 use std::sync::atomic::{AtomicU8, Ordering};
