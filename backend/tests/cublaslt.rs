@@ -51,6 +51,27 @@ const CASES: [Case; 7] = [
     case([2, 1], [65, 17, 17], [true, false]),
 ];
 
+impl Case {
+    /// Fresh values in [−2, 2) for both operands (streams `2·seed + 1` and `2·seed + 2`), and the
+    /// operands on `device` in `dtype`, each stored transposed or not as the case says.
+    fn operands<B: Backend>(
+        &self,
+        seed: u64,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> ([Vec<f32>; 2], [Tensor<B, 3>; 2]) {
+        let Case { m, k, n, .. } = *self;
+        let shapes = [[self.batches[0], m, k], [self.batches[1], k, n]];
+        let values = [0, 1].map(|i| {
+            let [batch, rows, cols] = shapes[i];
+            signed_values(batch * rows * cols, 2 * seed + 1 + i as u64, 2.0)
+        });
+        let tensors =
+            [0, 1].map(|i| operand::<B>(&values[i], shapes[i], self.transposed[i], dtype, device));
+        (values, tensors)
+    }
+}
+
 /// A `[batch, rows, cols]` operand of `values` (row-major, logical), stored transposed when
 /// asked: a `[batch, cols, rows]` tensor seen through `swap_dims`.
 fn operand<B: Backend>(
@@ -130,24 +151,9 @@ fn check(types: GemmTypes, bound: f64) {
     };
     let dtype = FloatDType::from(types.input);
     for (seed, case) in CASES.into_iter().enumerate() {
-        let Case { m, k, n, .. } = case;
-        let lhs_values = signed_values(case.batches[0] * m * k, 2 * seed as u64 + 1, 2.0);
-        let rhs_values = signed_values(case.batches[1] * k * n, 2 * seed as u64 + 2, 2.0);
-        let lhs = operand::<Cuda>(
-            &lhs_values,
-            [case.batches[0], m, k],
-            case.transposed[0],
-            dtype,
-            &device,
-        );
-        let rhs = operand::<Cuda>(
-            &rhs_values,
-            [case.batches[1], k, n],
-            case.transposed[1],
-            dtype,
-            &device,
-        );
-        let [lhs, rhs] = [lhs, rhs].map(|t| t.into_primitive().tensor());
+        let ([lhs_values, rhs_values], operands) =
+            case.operands::<Cuda>(seed as u64, dtype, &device);
+        let [lhs, rhs] = operands.map(|t| t.into_primitive().tensor());
         let product = cublaslt::matmul(&lhs, &rhs, types)
             .unwrap_or_else(|reason| panic!("{case:?} in {types:?}: cuBLASLt declined: {reason}"));
         assert_eq!(product.dtype, types.output);
@@ -218,12 +224,8 @@ fn with_the_tier_on_the_decorators_matmuls_run_on_cublaslt() {
 
 fn decorated<B: Backend>(device: &B::Device) {
     let case = CASES[4];
-    let Case { m, k, n, .. } = case;
-    let lhs_values = signed_values(case.batches[0] * m * k, 11, 2.0);
-    let rhs_values = signed_values(case.batches[1] * k * n, 12, 2.0);
     let f32 = FloatDType::F32;
-    let lhs = operand::<B>(&lhs_values, [case.batches[0], m, k], false, f32, device);
-    let rhs = operand::<B>(&rhs_values, [case.batches[1], k, n], true, f32, device);
+    let ([lhs_values, rhs_values], [lhs, rhs]) = case.operands::<B>(5, f32, device);
     let got = values_of(lhs.matmul(rhs));
     let (exact, magnitude) = exact(case, &lhs_values, &rhs_values, f32);
     let worst = worst_relative(&got, &exact, &magnitude);

@@ -538,6 +538,20 @@ fn llama3_scaling(json: &Value, name: &str) -> anyhow::Result<Llama3Scaling> {
 mod tests {
     use super::*;
 
+    /// Why `config` with `change` made to it is refused on reading.
+    fn refusal(config: &Value, change: impl FnOnce(&mut Value)) -> String {
+        let mut changed = config.clone();
+        change(&mut changed);
+        from_json(&changed, 0.0).unwrap_err().to_string()
+    }
+
+    /// `config` written as a config.json of `model_type` that reads back as itself.
+    fn assert_writes_back_as(config: &GptConfig, model_type: &str) {
+        let written = to_json(config).unwrap();
+        assert_eq!(written["model_type"], model_type);
+        assert_eq!(from_json(&written, 0.0).unwrap(), *config);
+    }
+
     /// Both kinds' presets through config.json and back, unchanged.
     #[test]
     fn configs_round_trip() {
@@ -600,13 +614,11 @@ mod tests {
                 ..preset
             }
         );
-        let mut odd = published.clone();
-        odd["sliding_window"] = json!(4096);
-        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        let err = refusal(&published, |c| c["sliding_window"] = json!(4096));
         assert!(err.contains("field sliding_window = 4096"), "{err}");
-        let mut odd = published.clone();
-        odd["rope_scaling"]["rope_type"] = json!("yarn");
-        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        let err = refusal(&published, |c| {
+            c["rope_scaling"]["rope_type"] = json!("yarn")
+        });
         assert!(err.contains("rope_type = \"yarn\""), "{err}");
 
         // The same model as transformers 5 saves it: one rope_parameters object, `dtype`.
@@ -663,18 +675,14 @@ mod tests {
         assert_eq!(config, expected);
         // 494 M parameters, as Qwen2.5-0.5B's model card counts them.
         assert_eq!(config.parameter_count(), 494_032_768);
-        let written = to_json(&config).unwrap();
-        assert_eq!(written["model_type"], "qwen2");
-        assert_eq!(from_json(&written, 0.0).unwrap(), config);
+        assert_writes_back_as(&config, "qwen2");
         // Heads set apart from the width (as Qwen3's and Mistral-Nemo's are) round-trip too.
         let apart = GptConfig {
             head_dim: Some(128),
             ..config
         };
         assert_eq!(from_json(&to_json(&apart).unwrap(), 0.0).unwrap(), apart);
-        let mut odd = published;
-        odd["attention_bias"] = json!(true);
-        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        let err = refusal(&published, |c| c["attention_bias"] = json!(true));
         assert!(
             err.contains("attention_bias = true is not qwen2's"),
             "{err}"
@@ -702,9 +710,7 @@ mod tests {
             (32, 8, false)
         );
         assert_eq!(config.parameter_count(), 7_241_732_096);
-        let written = to_json(&config).unwrap();
-        assert_eq!(written["model_type"], "mistral");
-        assert_eq!(from_json(&written, 0.0).unwrap(), config);
+        assert_writes_back_as(&config, "mistral");
         let biased = GptConfig {
             qkv_bias: true,
             ..config
@@ -714,9 +720,7 @@ mod tests {
             err.contains("model.sliding_window = 4096 with model.qkv_bias = true"),
             "{err}"
         );
-        let mut odd = published;
-        odd["use_sliding_window"] = json!(true);
-        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        let err = refusal(&published, |c| c["use_sliding_window"] = json!(true));
         assert!(
             err.contains("use_sliding_window = true is not Mistral's"),
             "{err}"
@@ -745,12 +749,8 @@ mod tests {
         assert_eq!((config.head_dim, config.q_width()), (Some(128), 2048));
         let embedding = config.vocab_size * config.d_model;
         assert_eq!(config.parameter_count() - embedding, 440_467_456);
-        let written = to_json(&config).unwrap();
-        assert_eq!(written["model_type"], "qwen3");
-        assert_eq!(from_json(&written, 0.0).unwrap(), config);
-        let mut odd = published;
-        odd["attention_bias"] = json!(true);
-        let err = from_json(&odd, 0.0).unwrap_err().to_string();
+        assert_writes_back_as(&config, "qwen3");
+        let err = refusal(&published, |c| c["attention_bias"] = json!(true));
         assert!(
             err.contains("attention_bias = true is not supported"),
             "{err}"

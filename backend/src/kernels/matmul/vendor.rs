@@ -21,6 +21,8 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::tensor::CubeTensor;
 
+use crate::kernels::route::cube_runtime;
+
 /// The op's name in the log and the kernel paths' counts.
 pub const OP: &str = "matmul (cuBLASLt)";
 
@@ -54,15 +56,7 @@ pub fn set_vendor_matmul(on: bool) {
 /// Whether `B`'s float matmuls go to the vendor tier: it is on and `B`'s tensors are CUDA
 /// tensors, bare or in Burn's fusion stream.
 pub(crate) fn takes_backend<B: Backend>() -> bool {
-    use std::any::TypeId;
-    #[cfg(feature = "cuda")]
-    let cuda = [
-        TypeId::of::<CubeTensor<cubecl::cuda::CudaRuntime>>(),
-        TypeId::of::<crate::fusion::FusedTensor<cubecl::cuda::CudaRuntime>>(),
-    ];
-    #[cfg(not(feature = "cuda"))]
-    let cuda: [TypeId; 0] = [];
-    vendor_matmul() && cuda.contains(&TypeId::of::<B::FloatTensorPrimitive>())
+    vendor_matmul() && cube_runtime::<B::FloatTensorPrimitive>() == Some("cuda")
 }
 
 /// `lhs · rhs` in `output` on a CubeCL runtime: cuBLASLt where the vendor tier is on, the
