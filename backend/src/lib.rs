@@ -32,6 +32,7 @@ static TEST_HEAP: alloc::CountingAlloc = alloc::CountingAlloc::new();
 use collective::CollectiveBackend;
 use kernels::attention::FusedAttentionBackend;
 use kernels::bias_gelu::FusedBiasGeluBackend;
+use kernels::cross_entropy::FusedCrossEntropyBackend;
 use kernels::layer_norm::FusedLayerNormBackend;
 use kernels::rope::FusedRopeBackend;
 use kernels::swiglu::FusedSwigluBackend;
@@ -42,6 +43,7 @@ pub trait DecoratedBackend:
     CollectiveBackend
     + FusedAttentionBackend
     + FusedBiasGeluBackend
+    + FusedCrossEntropyBackend
     + FusedLayerNormBackend
     + FusedRopeBackend
     + FusedSwigluBackend
@@ -52,6 +54,7 @@ impl<B> DecoratedBackend for B where
     B: CollectiveBackend
         + FusedAttentionBackend
         + FusedBiasGeluBackend
+        + FusedCrossEntropyBackend
         + FusedLayerNormBackend
         + FusedRopeBackend
         + FusedSwigluBackend

@@ -9,6 +9,7 @@ mod common;
 
 mod adamw;
 mod bias_gelu;
+mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cublaslt;
 mod flash_attention;

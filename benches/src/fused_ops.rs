@@ -25,7 +25,7 @@ use wildfire_recipes::model::rope::Rotary;
 use wildfire_recipes::model::{Norm, Preset, gated_silu};
 
 use crate::alloc::HEAP;
-use crate::{median, mib};
+use crate::{alternating, mib};
 
 type A = Autodiff<Parallel<Flex>>;
 
@@ -137,25 +137,7 @@ fn measure(op: &'static str, shape: [usize; 3], forward: &Forward, rounds: usize
         let _ = (y * output_grad.clone()).sum().backward();
         (start.elapsed().as_secs_f64() * 1e3, kept)
     };
-    // One warm-up each.
-    let (_, fused_kept) = step(true);
-    let (_, composed_kept) = step(false);
-    let (mut fused, mut composed) = (Vec::new(), Vec::new());
-    for round in 0..rounds {
-        let order = if round % 2 == 0 {
-            [true, false]
-        } else {
-            [false, true]
-        };
-        for on in order {
-            let (ms, _) = step(on);
-            match on {
-                true => fused.push(ms),
-                false => composed.push(ms),
-            }
-        }
-    }
-    let (fused_ms, composed_ms) = (median(&mut fused), median(&mut composed));
+    let [(fused_ms, fused_kept), (composed_ms, composed_kept)] = alternating(rounds, step);
     Row {
         op,
         shape: format!("{shape:?}"),

@@ -9,6 +9,7 @@ mod decorator;
 mod dp;
 mod fused_ops;
 mod kernels;
+mod loss;
 mod memory;
 mod pp;
 mod tp;
@@ -18,6 +19,25 @@ mod train_profile;
 use clap::{Parser, Subcommand};
 
 /// The middle value of `values` (the upper middle for an even count); sorts them.
+/// `rounds` alternating rounds of `step(true)` and `step(false)` (the order flipping each
+/// round, so that neither always runs first), after one warm-up each: the median of the first
+/// value `step` returns for each side, and the second value of each warm-up.
+pub(crate) fn alternating<T>(rounds: usize, step: impl Fn(bool) -> (f64, T)) -> [(f64, T); 2] {
+    let (_, on_warm) = step(true);
+    let (_, off_warm) = step(false);
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for side in [round % 2 == 0, round % 2 != 0] {
+            let (value, _) = step(side);
+            match side {
+                true => on.push(value),
+                false => off.push(value),
+            }
+        }
+    }
+    [(median(&mut on), on_warm), (median(&mut off), off_warm)]
+}
+
 pub(crate) fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -58,6 +78,9 @@ enum Command {
     /// Peak heap and step time under activation checkpointing none, full and selective (tiny
     /// and gpt2 presets).
     Activations(activations::ActivationArgs),
+    /// The output head's loss, fused (blocks of rows, no whole logits) against the decomposed
+    /// loss: peak memory and time of its forward and backward on the CPU backend.
+    Loss(loss::LossArgs),
     /// Llama's fused ops (RMSNorm, RoPE, SwiGLU) one at a time against the composed Burn ops,
     /// forward+backward time and the bytes kept for the backward, on the CPU backend.
     FusedOps(fused_ops::FusedOpArgs),
@@ -98,6 +121,7 @@ fn main() -> anyhow::Result<()> {
         Command::Memory(args) => memory::run(args),
         Command::Activations(args) => activations::run(args),
         Command::FusedOps(args) => fused_ops::run(args),
+        Command::Loss(args) => loss::run(args),
         Command::Dp(args) => dp::run(args),
         Command::Checkpoint(args) => checkpoint::run(args),
         Command::Kernels(args) => kernels::run(args),

@@ -8,7 +8,8 @@
 //! layer and the output of a row-parallel one are sums over ranks of partial dot products, a
 //! different summation order: bitwise on integer-valued data (every partial sum exact), within
 //! 1e-6 of the largest value on float data (the f32 rounding of a handful of terms). The
-//! vocabulary-parallel cross-entropy sums `exp` per rank, then over ranks: within 1e-6.
+//! vocabulary-parallel cross-entropy, from the logits or fused with the head, sums `exp` per
+//! rank, then over ranks: within 1e-6.
 //!
 //! The bitwise claims hold on every SIMD width (AVX2 or AVX-512): a compared element is the same
 //! `k` products on both sides, and gemm adds them in order in one fused multiply-add chain on
@@ -24,6 +25,9 @@ use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
 use wildfire_backend::Parallel;
 use wildfire_backend::comm::{OpKind, ProcessGroup, split_ranges};
+use wildfire_backend::kernels::cross_entropy::{
+    HeadLayout, IGNORE_INDEX, LinearCrossEntropy, logits_cross_entropy_sum,
+};
 use wildfire_parallel::tp::{
     ParallelEmbedding, ParallelLinear, TpStyle, vocab_parallel_cross_entropy,
 };
@@ -350,9 +354,14 @@ fn vocab_parallel_cross_entropy_matches_the_serial_loss() {
                 .clone()
                 .slice([0..2, 0..5, cols.clone()])
                 .require_grad();
-            let loss =
-                vocab_parallel_cross_entropy(part.clone(), targets.clone(), cols.start, &group)
-                    .unwrap();
+            let loss = vocab_parallel_cross_entropy(
+                part.clone(),
+                targets.clone(),
+                cols.start,
+                IGNORE_INDEX,
+                &group,
+            )
+            .unwrap();
             let grads = loss.clone().backward();
             (data(loss), data(part.grad(&grads).unwrap()), cols)
         });
@@ -365,6 +374,123 @@ fn vocab_parallel_cross_entropy_matches_the_serial_loss() {
                 1e-6,
                 &format!("{what}: logit gradient"),
             );
+        }
+    }
+}
+
+/// Rows `rows` of a row-major `[.., width]` matrix.
+fn rows_of(m: &[f32], width: usize, rows: std::ops::Range<usize>) -> Vec<f32> {
+    m[rows.start * width..rows.end * width].to_vec()
+}
+
+const CE_VOCAB: usize = 13;
+const CE_WIDTH: usize = 6;
+
+/// Targets of the fused cross-entropy's `[2, 5]` rows: rows 2 and 7 ignored.
+fn ce_targets() -> Tensor<B, 2, Int> {
+    let ids = (0..10)
+        .map(|i| match i {
+            2 | 7 => IGNORE_INDEX,
+            _ => (i * 5 + 3) as i64 % CE_VOCAB as i64,
+        })
+        .collect::<Vec<_>>();
+    Tensor::from_data(TensorData::new(ids, [2, 5]), &Default::default())
+}
+
+/// The serial decomposed loss (whole logits, Burn's autodiff) of `x: [2, 5, d]` through
+/// `weight` in `layout`: (loss, dx, dW).
+fn serial_cross_entropy(
+    x: &Tensor<B, 3>,
+    weight: &Tensor<B, 2>,
+    layout: HeadLayout,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (x, weight) = (fresh(x).require_grad(), fresh(weight).require_grad());
+    let logits = layout.logits(x.clone().reshape([10, CE_WIDTH]), weight.clone());
+    let loss = logits_cross_entropy_sum(logits, ce_targets().reshape([10]), IGNORE_INDEX);
+    let grads = loss.backward();
+    let dx = data(x.grad(&grads).unwrap());
+    (data(loss), dx, data(weight.grad(&grads).unwrap()))
+}
+
+/// The fused cross-entropy of a head split by vocabulary (13 tokens over 2 and 4 ranks, in
+/// blocks of 3 of the 10 rows, rows 2 and 7 ignored) against the serial decomposed loss: an
+/// untied head (`ParallelLinear` split by columns, `[d, V]`; at tp 2 also under sequence
+/// parallelism, its input the rank's part of the sequence) and a tied one (this rank's rows of
+/// an embedding table through the table's slot). Each rank's loss is the whole loss; the input's
+/// gradient (summed over the ranks by the region's entry) is the serial one, or its part of the
+/// sequence; each weight part's gradient is the slice of the serial one cut here by hand. The
+/// loss joins per-rank softmax statistics in another order than the serial one, and the input's
+/// gradient sums per-rank products: within 1e-6 of the largest value.
+#[test]
+fn fused_cross_entropy_under_a_vocabulary_split_matches_the_serial_loss() {
+    let x = tensor(30, [2, 5, CE_WIDTH], false).mul_scalar(2.0);
+    let table = tensor(31, [CE_VOCAB, CE_WIDTH], false);
+    let head = table.clone().transpose();
+    let loss = LinearCrossEntropy::new().with_chunk_rows(3);
+    for (layout, weight) in [
+        (HeadLayout::VocabRows, table),
+        (HeadLayout::VocabColumns, head),
+    ] {
+        let (serial_loss, serial_dx, serial_dw) = serial_cross_entropy(&x, &weight, layout);
+        for (ranks, sequence_parallel) in [(2, false), (4, false), (2, true)] {
+            if sequence_parallel && layout == HeadLayout::VocabRows {
+                continue;
+            }
+            let (x, weight, loss) = (x.clone(), weight.clone(), loss.clone());
+            let results = threads(ranks, move |group| {
+                let cols = split_ranges(CE_VOCAB, group.size())[group.rank()].clone();
+                let seq = split_ranges(5, group.size())[group.rank()].clone();
+                let x = match sequence_parallel {
+                    true => fresh(&x).slice([0..2, seq.clone(), 0..CE_WIDTH]),
+                    false => fresh(&x),
+                }
+                .require_grad();
+                let (value, weight) = match layout {
+                    HeadLayout::VocabColumns => {
+                        let sequence_dim = sequence_parallel.then_some(1);
+                        let head = ParallelLinear::split_from(
+                            fresh(&weight),
+                            None,
+                            TpStyle::VocabColumns,
+                            &group,
+                            sequence_dim,
+                        );
+                        let value = head.cross_entropy_sum(x.clone(), ce_targets(), &loss);
+                        (value, head.weight.val())
+                    }
+                    HeadLayout::VocabRows => {
+                        let table = ParallelEmbedding::split_from(fresh(&weight), &group);
+                        let part = (table.weight.val(), layout);
+                        let value = (table.tp).head_cross_entropy_sum(
+                            x.clone(),
+                            part,
+                            CE_VOCAB,
+                            ce_targets(),
+                            &loss,
+                        );
+                        (value, table.weight.val())
+                    }
+                };
+                let grads = value.backward();
+                let dx = data(x.grad(&grads).unwrap());
+                let dw = data(weight.grad(&grads).unwrap());
+                (data(value), dx, dw, cols, seq)
+            });
+            for (loss_r, dx_r, dw_r, cols, seq) in results {
+                let what =
+                    format!("{layout:?} at tp {ranks}, sp {sequence_parallel}, columns {cols:?}");
+                assert_close(&loss_r, &serial_loss, 1e-6, &format!("{what}: loss"));
+                let dx = match sequence_parallel {
+                    true => sequence_part(&serial_dx, 5, CE_WIDTH, seq),
+                    false => serial_dx.clone(),
+                };
+                assert_close(&dx_r, &dx, 1e-6, &format!("{what}: input gradient"));
+                let dw = match layout {
+                    HeadLayout::VocabRows => rows_of(&serial_dw, CE_WIDTH, cols),
+                    HeadLayout::VocabColumns => columns(&serial_dw, CE_VOCAB, cols),
+                };
+                assert_close(&dw_r, &dw, 1e-6, &format!("{what}: weight gradient"));
+            }
         }
     }
 }

@@ -33,11 +33,14 @@ pub enum FusedOp {
     Swiglu,
     /// AdamW's step, one pass per parameter tensor ([`super::adamw`]).
     Adamw,
+    /// The output head's product and cross-entropy in blocks of rows, without the whole
+    /// logits ([`super::cross_entropy`]).
+    CrossEntropy,
 }
 
 impl FusedOp {
     /// Every op, in the order the log lists them.
-    pub const ALL: [FusedOp; 7] = [
+    pub const ALL: [FusedOp; 8] = [
         Self::Attention,
         Self::BiasGelu,
         Self::LayerNorm,
@@ -45,6 +48,7 @@ impl FusedOp {
         Self::Rope,
         Self::Swiglu,
         Self::Adamw,
+        Self::CrossEntropy,
     ];
 
     /// The op's name in configs and logs (`bias_gelu`, `rms_norm`, …).
@@ -57,6 +61,7 @@ impl FusedOp {
             Self::Rope => "rope",
             Self::Swiglu => "swiglu",
             Self::Adamw => "adamw",
+            Self::CrossEntropy => "cross_entropy",
         }
     }
 
@@ -107,11 +112,13 @@ impl FusedOps {
     ///
     /// - CPU (Flex's native loops) and wgpu (the CubeCL kernels, measured on lavapipe): every
     ///   op; each was faster and kept less than its decomposed form (docs/benchmarks/train.md,
-    ///   llama.md, kernels.md).
+    ///   llama.md, kernels.md; the blocked cross-entropy, Burn's ops on either, was measured on
+    ///   the CPU, activations.md).
     /// - CUDA: bias + GELU only, the one kernel measured on a GPU to win (3.4× on an H200).
     ///   The attention kernel measured 14× slower there than Burn's decomposed attention, and the
     ///   norm, RoPE, SwiGLU and AdamW kernels have not run on a GPU: they stay off until a GPU
-    ///   run verifies them.
+    ///   run verifies them. So does the blocked cross-entropy (Burn's ops, no kernel of its
+    ///   own), whose blocks of a few dozen rows are sized for memory, not for a GPU's products.
     pub fn device_default(kind: DeviceKind) -> Self {
         match kind {
             DeviceKind::Cpu | DeviceKind::Wgpu => Self::all(true),
@@ -186,7 +193,7 @@ mod tests {
         assert_eq!(
             cuda.to_string(),
             "attention decomposed, bias_gelu fused, layer_norm decomposed, rms_norm decomposed, \
-             rope decomposed, swiglu decomposed, adamw decomposed"
+             rope decomposed, swiglu decomposed, adamw decomposed, cross_entropy decomposed"
         );
     }
 
@@ -215,7 +222,7 @@ mod tests {
         assert_eq!(
             error,
             "unknown fused op \"gelu\" (expected one of attention, bias_gelu, layer_norm, \
-             rms_norm, rope, swiglu, adamw)"
+             rms_norm, rope, swiglu, adamw, cross_entropy)"
         );
     }
 }

@@ -4,8 +4,8 @@
 //! new tensor). The loops themselves live with their ops (`attention/flex.rs`,
 //! `bias_gelu/flex.rs`, `layer_norm/flex.rs`, `matmul/flex.rs`, `rope/flex.rs`,
 //! `swiglu/flex.rs`, [`super::add`]); here are the f32 views and the single-threaded products
-//! on them (Flex's own `gemm` kernels), tensors written in parallel without zeroing, and the
-//! exponential [`exp`]: arithmetic the compiler vectorises, in loops compiled for the CPU's
+//! on them (Flex's own `gemm` kernels), tensors written in parallel without zeroing, a scaling
+//! in a tensor's own memory ([`scale_in_place`]), and the exponential [`exp`]: arithmetic the compiler vectorises, in loops compiled for the CPU's
 //! widest SIMD (AVX-512 or AVX2, chosen at run time by [`vectorised`]).
 //!
 //! Inputs of another type (f16, bf16) run the reference.
@@ -241,6 +241,33 @@ pub(crate) fn exp_shifted(values: &mut [f32], shift: f32) {
 /// Rows of `columns` elements per parallel task of the elementwise ops: about 64 Ki elements.
 pub(crate) fn rows_per_task(columns: usize) -> usize {
     (65_536 / columns.max(1)).max(1)
+}
+
+/// Elements per task of [`scale_in_place`].
+const SCALE_TASK: usize = 1 << 16;
+
+/// `tensor · factor` for a contiguous f32 `tensor` that no other tensor shares and a
+/// one-element f32 `factor`, multiplied in `tensor`'s own memory on rayon's threads (Flex
+/// multiplies by a broadcast factor into a new tensor); the inputs back otherwise.
+#[allow(clippy::result_large_err)] // the inputs handed back, moved once a call
+pub fn scale_in_place(
+    [tensor, factor]: [FlexTensor; 2],
+) -> Result<[FlexTensor; 1], [FlexTensor; 2]> {
+    let elements = tensor.layout().num_elements();
+    let taken = tensor.dtype() == DType::F32
+        && factor.dtype() == DType::F32
+        && factor.layout().num_elements() == 1
+        && tensor.is_unique()
+        && tensor.layout().contiguous_offsets() == Some((0, elements));
+    let value = match factor.as_slice::<f32>() {
+        Some(&[value]) if taken => value,
+        _ => return Err([tensor, factor]),
+    };
+    let mut tensor = tensor;
+    tensor.storage_mut::<f32>()[..elements]
+        .par_chunks_mut(SCALE_TASK)
+        .for_each(|part| vectorised(|| part.iter_mut().for_each(|x| *x *= value)));
+    Ok([tensor])
 }
 
 #[cfg(test)]

@@ -7,6 +7,9 @@
 //! - [`attention`]: FlashAttention-2's forward and backward: the reference, the autodiff op
 //!   that runs them, the CubeCL kernels ([`attention::cube`]) and Flex's tiled loops
 //!   ([`attention::flex`]).
+//! - [`cross_entropy`]: the output head's product and cross-entropy over blocks of rows,
+//!   never holding the whole logits, its gradients computed in the forward, and its autodiff
+//!   op; Burn's ops on every backend.
 //! - [`bias_gelu`]: the MLP's bias add + GELU as one op each way (reference, CubeCL kernels,
 //!   Flex's loops), and its autodiff op.
 //! - [`layer_norm`]: LayerNorm and RMSNorm as one op each way (reference, CubeCL kernels,
@@ -36,6 +39,7 @@ pub mod add;
 pub mod attention;
 pub mod bias_gelu;
 pub mod choice;
+pub mod cross_entropy;
 pub mod cube_kernel;
 pub mod flex;
 mod launch;

@@ -46,14 +46,17 @@ use burn::tensor::module::linear;
 use burn::tensor::ops::PadMode;
 use burn::tensor::{FloatDType, Int, Tensor};
 use wildfire_backend::collective::{
-    self, CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
-    gather_from_parallel_region, reduce_from_parallel_region, reduce_scatter_to_sequence_region,
+    self, CollectiveBackend, copy_to_parallel_region, gather_from_parallel_region,
+    reduce_from_parallel_region, reduce_scatter_to_sequence_region,
 };
-use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp, split_ranges};
+use wildfire_backend::comm::{CommError, ProcessGroup, ReduceOp};
+use wildfire_backend::kernels::cross_entropy::{
+    FusedCrossEntropyBackend, HeadLayout, LinearCrossEntropy, ids_in_part,
+};
 
 use super::plan::{TpPlan, TpStyle};
 use super::slot::{TensorParallel, collective};
-use super::walk::{Applied, Layer};
+use super::walk::{Applied, Layer, vocabulary_part};
 use crate::precision::in_dtype;
 
 /// A linear layer `Y = XA + b` (`weight: [n_in, n_out]`, as Burn's `Linear`) that a
@@ -105,13 +108,14 @@ impl<B: Backend> ParallelLinear<B> {
         sequence_dim: Option<usize>,
     ) -> Self {
         let plan = TpPlan::new(&[("layer", style)], group.rank(), group.size());
+        let weight_dims = weight.dims();
         Self {
             weight: Param::from_tensor(plan.local_part("layer.weight", weight)),
             bias: bias.map(|b| Param::from_tensor(plan.local_part("layer.bias", b))),
             tp: TensorParallel::for_layer(Layer::Linear).with_applied(Applied {
                 group: group.clone(),
                 style: Some(style),
-                part: None,
+                part: vocabulary_part(style, &weight_dims, group.rank(), group.size()),
                 sequence_dim,
             }),
         }
@@ -156,11 +160,7 @@ impl<B: CollectiveBackend> ParallelLinear<B> {
             TpStyle::ColumnHeads { .. } | TpStyle::VocabColumns => false,
             _ => return epilogue(self.product(x), bias),
         };
-        let x = match sequence_dim {
-            Some(dim) => all_gather_from_sequence_region(x, group, dim),
-            None => copy_to_parallel_region(x, group),
-        };
-        let y = epilogue(self.product(collective(x)), bias);
+        let y = epilogue(self.product(self.tp.enter_parallel_region(x)), bias);
         match gather_output {
             true => collective(gather_from_parallel_region(y, group, D - 1)),
             false => y,
@@ -186,6 +186,45 @@ impl<B: CollectiveBackend> ParallelLinear<B> {
             Some(part) => collective(sum_over_copies(value, part, group)),
             None => value,
         }
+    }
+}
+
+impl<B: FusedCrossEntropyBackend> ParallelLinear<B> {
+    /// This layer as a language model's head (`weight: [d, V]`, no bias) scored against
+    /// `targets` (`x`'s leading shape) by `loss`, the fused cross-entropy that never holds the
+    /// logits (`wildfire_backend::kernels::cross_entropy`): the summed token loss, a
+    /// one-element f32 tensor. Split by vocabulary columns ([`TpStyle::VocabColumns`]) its input
+    /// enters the tensor-parallel region as [`Self::forward`]'s does, each rank scores its
+    /// columns and every rank gets the whole loss.
+    ///
+    /// # Panics
+    /// When the layer has a bias or a plan split it otherwise than by vocabulary columns
+    /// (naming the split), or the shapes disagree (see `LinearCrossEntropy::loss_sum`).
+    pub fn cross_entropy_sum<const D: usize, const E: usize>(
+        &self,
+        x: Tensor<B, D>,
+        targets: Tensor<B, E, Int>,
+        loss: &LinearCrossEntropy,
+    ) -> Tensor<B, 1> {
+        assert!(
+            self.bias.is_none(),
+            "the fused cross-entropy scores a head without a bias; this one has {:?}",
+            self.bias.as_ref().map(|b| b.dims())
+        );
+        let weight = in_dtype(self.weight.val(), FloatDType::from(x.dtype()));
+        let layout = HeadLayout::VocabColumns;
+        let (Some(group), Some(style)) = (self.tp.group(), self.tp.style()) else {
+            return collective(loss.loss_sum(x, weight, layout, targets));
+        };
+        assert!(
+            style == TpStyle::VocabColumns,
+            "the fused cross-entropy scores a head split by vocabulary columns; this one is \
+             {style}"
+        );
+        let start = self.tp.part().map_or(0, |part| part.start);
+        let loss = loss.clone().with_vocab_shard(group, start);
+        let x = self.tp.enter_parallel_region(x);
+        collective(loss.loss_sum(x, weight, layout, targets))
     }
 }
 
@@ -232,13 +271,18 @@ impl<B: Backend> ParallelEmbedding<B> {
     /// built on its own.
     pub fn split_from(weight: Tensor<B, 2>, group: &ProcessGroup) -> Self {
         let plan = TpPlan::new(&[("table", TpStyle::VocabRows)], group.rank(), group.size());
-        let rows = split_ranges(weight.dims()[0], group.size())[group.rank()].clone();
+        let rows = vocabulary_part(
+            TpStyle::VocabRows,
+            &weight.dims(),
+            group.rank(),
+            group.size(),
+        );
         Self {
             weight: Param::from_tensor(plan.local_part("table.weight", weight)),
             tp: TensorParallel::for_layer(Layer::Embedding).with_applied(Applied {
                 group: group.clone(),
                 style: Some(TpStyle::VocabRows),
-                part: Some(rows),
+                part: rows,
                 sequence_dim: None,
             }),
         }
@@ -252,7 +296,7 @@ impl<B: CollectiveBackend> ParallelEmbedding<B> {
             return burn::tensor::module::embedding(self.weight.val(), ids);
         };
         let rows = self.weight.val().dims()[0];
-        let (local, inside) = local_ids(ids, self.vocab_start(), rows);
+        let (local, inside) = ids_in_part(ids, self.vocab_start(), rows);
         let rows = burn::tensor::module::embedding(self.weight.val(), local);
         let masked = rows * inside.unsqueeze_dim::<3>(2);
         collective(reduce_from_parallel_region(masked, group))
@@ -264,22 +308,6 @@ impl<B: CollectiveBackend> ParallelEmbedding<B> {
     }
 }
 
-/// Ids shifted into a part `[start, start + len)` (others clamped to a valid row) and the float
-/// mask of those inside it.
-fn local_ids<B: Backend, const D: usize>(
-    ids: Tensor<B, D, Int>,
-    start: usize,
-    len: usize,
-) -> (Tensor<B, D, Int>, Tensor<B, D>) {
-    let (start, end) = (start as i64, (start + len) as i64);
-    let inside = ids
-        .clone()
-        .greater_equal_elem(start)
-        .bool_and(ids.clone().lower_elem(end));
-    let local = ids.sub_scalar(start).clamp(0, (len as i64 - 1).max(0));
-    (local, inside.float())
-}
-
 /// Cross-entropy summed over tokens from vocabulary-parallel logits `logits_r: [batch, seq,
 /// V_r]` (rank `r`'s columns `[vocab_start, vocab_start + V_r)` of the full logits), without
 /// gathering the full logits:
@@ -288,16 +316,19 @@ fn local_ids<B: Backend, const D: usize>(
 /// m      = max_q max_j l_qj                    all-reduce (max), no gradient (ℓ is shift-invariant)
 /// S      = Σ_q Σ_j exp(l_qj − m)               g: all-reduce forward, identity backward
 /// l_t    = Σ_q [t ∈ part q] (l_qt − m)          g
-/// ℓ      = log S − l_t
+/// ℓ      = valid · (log S − l_t)                valid = [t ≠ ignore_index]
 /// ```
 ///
 /// Every rank computes the same `ℓ`, and each backpropagates its own copy: through `g` rank `r`
-/// gets `∂ℓ/∂l_rj = exp(l_rj − m)/S − [j = t]`, the softmax-minus-one-hot of its own columns,
-/// which is the serial gradient's part `r`.
+/// gets `∂ℓ/∂l_rj = valid · (exp(l_rj − m)/S − [j = t])`, the softmax-minus-one-hot of its own
+/// columns, which is the serial gradient's part `r`. This is the decomposed loss, which holds
+/// the logits; [`ParallelLinear::cross_entropy_sum`] and
+/// [`TensorParallel::head_cross_entropy_sum`] compute the same loss without them.
 pub fn vocab_parallel_cross_entropy<B: CollectiveBackend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     vocab_start: usize,
+    ignore_index: i64,
     group: &ProcessGroup,
 ) -> Result<Tensor<B, 1>, CommError> {
     let [batch, seq, part_vocab] = logits.dims();
@@ -307,8 +338,9 @@ pub fn vocab_parallel_cross_entropy<B: CollectiveBackend>(
     let max = collective::all_reduce(local_max, group, ReduceOp::Max)?;
     let shifted = logits - max;
     let sum_exp = reduce_from_parallel_region(shifted.clone().exp().sum_dim(1), group)?;
-    let (local, inside) = local_ids(targets, vocab_start, part_vocab);
+    let valid = targets.clone().not_equal_elem(ignore_index).float();
+    let (local, inside) = ids_in_part(targets, vocab_start, part_vocab);
     let picked = shifted.gather(1, local.unsqueeze_dim(1)) * inside.unsqueeze_dim(1);
     let target = reduce_from_parallel_region(picked, group)?;
-    Ok((sum_exp.log() - target).sum())
+    Ok(((sum_exp.log() - target) * valid.unsqueeze_dim(1)).sum())
 }

@@ -12,13 +12,16 @@ use burn::module::{
     AutodiffModule, Content, Devices, EmptyRecord, HasAutodiffModule, Module, ModuleDisplay,
     ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
 };
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor};
 use wildfire_backend::collective::{
     CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
     gather_from_parallel_region, scatter_to_parallel_region,
 };
-use wildfire_backend::comm::{CommError, ProcessGroup};
+use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_backend::kernels::cross_entropy::{
+    FusedCrossEntropyBackend, HeadLayout, LinearCrossEntropy,
+};
 
 use super::plan::TpStyle;
 use super::walk::{self, Applied, Layer};
@@ -158,6 +161,37 @@ impl<B: CollectiveBackend> TensorParallel<B> {
             (Some(group), None) => collective(copy_to_parallel_region(x, group)),
             _ => x,
         }
+    }
+}
+
+impl<B: FusedCrossEntropyBackend> TensorParallel<B> {
+    /// The summed token loss of a language-model head the model computes itself (a tied head,
+    /// `weight` its embedding table `[V_r, d]` or a copy of it, in `layout`), scored against
+    /// `targets` by the fused cross-entropy that never holds the logits
+    /// (`wildfire_backend::kernels::cross_entropy`): a one-element f32 tensor, the same on every
+    /// rank. Under a plan `x` enters the tensor-parallel region as
+    /// [`Self::enter_parallel_region`] says, and `weight` is this rank's part of a vocabulary of
+    /// `vocab` tokens split as the plan splits one (`split_ranges`).
+    ///
+    /// # Panics
+    /// When the shapes disagree (see `LinearCrossEntropy::loss_sum`).
+    pub fn head_cross_entropy_sum<const D: usize, const E: usize>(
+        &self,
+        x: Tensor<B, D>,
+        (weight, layout): (Tensor<B, 2>, HeadLayout),
+        vocab: usize,
+        targets: Tensor<B, E, Int>,
+        loss: &LinearCrossEntropy,
+    ) -> Tensor<B, 1> {
+        let loss = match self.group() {
+            Some(group) => {
+                let part = &split_ranges(vocab, group.size())[group.rank()];
+                loss.clone().with_vocab_shard(group, part.start)
+            }
+            None => loss.clone(),
+        };
+        let x = self.enter_parallel_region(x);
+        collective(loss.loss_sum(x, weight, layout, targets))
     }
 }
 

@@ -98,16 +98,15 @@ pub(super) fn survey_slot(layer: Layer) {
 }
 
 /// What a slot met while a plan is applied learns: its layer's style under the plan, and its
-/// part of the table where it is a vocabulary-split embedding.
+/// part of the vocabulary where it is split by it.
 pub(super) fn fill_slot() -> Option<Applied> {
     let applied = with_walk(|walk| {
         let (plan, group, shapes) = walk.apply.as_ref()?;
         let path = walk.path.parent();
         let style = plan.exact_style(&path);
-        let part = (style == Some(TpStyle::VocabRows)).then(|| {
-            let rows = shapes.get(&format!("{path}.weight")).map_or(0, |s| s[0]);
-            split_ranges(rows, plan.size)[plan.rank].clone()
-        });
+        let part = style
+            .zip(shapes.get(&format!("{path}.weight")))
+            .and_then(|(style, dims)| vocabulary_part(style, dims, plan.rank, plan.size));
         Some(Applied {
             group: group.clone(),
             style,
@@ -116,4 +115,21 @@ pub(super) fn fill_slot() -> Option<Applied> {
         })
     });
     applied.flatten()
+}
+
+/// Rank `rank`'s part of the vocabulary of a whole weight of shape `dims` that `style` splits
+/// by vocabulary over `size` ranks: its rows for an embedding table (`[V, d]`), its columns for
+/// a head (`[d, V]`); `None` for any other style.
+pub(crate) fn vocabulary_part(
+    style: TpStyle,
+    dims: &[usize],
+    rank: usize,
+    size: usize,
+) -> Option<Range<usize>> {
+    let vocab = match style {
+        TpStyle::VocabRows => dims[0],
+        TpStyle::VocabColumns => dims[1],
+        _ => return None,
+    };
+    Some(split_ranges(vocab, size)[rank].clone())
 }

@@ -53,10 +53,25 @@ impl<B: Backend> GptChunks<B> {
     where
         B: DecoratedBackend,
     {
-        let (first, last) = (&self.chunks[0], self.last());
-        let x = first.embed(tokens);
-        let x = self.chunks.iter().fold(x, |x, chunk| chunk.run_blocks(x));
-        last.logits(x)
+        self.last().logits(self.residual(tokens))
+    }
+
+    /// The summed next-token loss of the whole model on `tokens` against `targets` (see
+    /// [`Gpt::head_loss_sum`]).
+    pub fn loss_sum(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1>
+    where
+        B: DecoratedBackend,
+    {
+        self.last().head_loss_sum(self.residual(tokens), targets)
+    }
+
+    /// The residual stream after the last block.
+    fn residual(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>
+    where
+        B: DecoratedBackend,
+    {
+        let x = self.chunks[0].embed(tokens);
+        self.chunks.iter().fold(x, |x, chunk| chunk.run_blocks(x))
     }
 
     /// The last chunk (the one with the head, on a rank that holds every stage).

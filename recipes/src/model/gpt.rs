@@ -15,7 +15,7 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LinearConfig};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::DecoratedBackend;
@@ -23,6 +23,9 @@ use wildfire_backend::comm::{CommError, split_ranges};
 use wildfire_backend::kernels::attention::{fused_attention, fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::choice::{FusedOp, FusedOps};
+use wildfire_backend::kernels::cross_entropy::{
+    HeadLayout, IGNORE_INDEX, LinearCrossEntropy, logits_cross_entropy_sum,
+};
 use wildfire_backend::kernels::gelu_tanh_f32;
 use wildfire_backend::kernels::layer_norm::{
     layer_norm as fused_layer_norm, rms_norm as fused_rms_norm,
@@ -282,6 +285,10 @@ pub struct Head<B: Backend> {
     /// As [`Block::fused_norm`], for `ln_f`.
     #[module(skip)]
     pub fused_norm: bool,
+    /// Whether the loss is the fused cross-entropy, which scores the head block by block
+    /// without the whole logits ([`Gpt::head_loss_sum`]), or computed from the logits.
+    #[module(skip)]
+    pub fused_loss: bool,
     /// A tied head on another pipeline stage than the embedding: its own copy of `wte`
     /// (`[V, d]`, named [`TIED_COPY`]). Both copies start equal and receive the sum of their two
     /// gradients, so they stay equal; checkpoints store only `embeddings.wte.weight`.
@@ -687,6 +694,7 @@ impl<B: Backend> Gpt<B> {
                 .then(|| linear([config.d_model, config.vocab_size], false, INIT_STD, device)),
             wte: None,
             fused_norm: true,
+            fused_loss: true,
         });
         let model = Self {
             embeddings,
@@ -705,7 +713,8 @@ impl<B: Backend> Gpt<B> {
     /// The same model with each fusable op fused or decomposed as `ops` says: the attention
     /// core (see `CausalSelfAttention::fused`; it stays decomposed where the attention weights
     /// have dropout) and Llama's rotary embedding, the MLP's bias + GELU or SwiGLU (see
-    /// `Mlp::fused`), and the norms, LayerNorm or RMSNorm (see `Block::fused_norm`).
+    /// `Mlp::fused`), the norms, LayerNorm or RMSNorm (see `Block::fused_norm`), and the loss
+    /// (see `Head::fused_loss`).
     pub fn with_fused_ops(mut self, ops: FusedOps) -> Self {
         let norm_op = |norm: &Norm<B>| match norm.rms {
             true => FusedOp::RmsNorm,
@@ -724,6 +733,7 @@ impl<B: Backend> Gpt<B> {
         }
         if let Some(head) = &mut self.head {
             head.fused_norm = ops.is_fused(norm_op(&head.ln_f));
+            head.fused_loss = ops.is_fused(FusedOp::CrossEntropy);
         }
         self
     }
@@ -819,24 +829,50 @@ impl<B: DecoratedBackend> Gpt<B> {
     /// vocabulary columns, `[batch, seq, V/tp]`, over the whole sequence). A tied head
     /// multiplies by `wteᵀ` (this rank's rows of it).
     pub fn logits(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let head = self
-            .head
-            .as_ref()
-            .expect("logits() on a stage without the head");
+        let head = self.head();
         let x = head.ln_f.forward(x, head.fused_norm);
         if let Some(lm_head) = &head.lm_head {
             return lm_head.forward(x);
         }
-        let wte = match (&head.wte, &self.embeddings) {
+        // The head is column-parallel in the vocabulary: its input enters the tensor-parallel
+        // region as a column-parallel layer's does.
+        let x = self.tp.enter_parallel_region(x);
+        let (wte, layout) = self.tied_head(FloatDType::from(x.dtype()));
+        layout.logits(x, wte)
+    }
+
+    /// The summed next-token cross-entropy of the head on the residual stream `x` against
+    /// `targets`: the fused loss ([`Head::fused_loss`]), which scores the head block by block
+    /// without the whole logits, or [`Self::loss_sum`] of [`Self::logits`]. Under tensor
+    /// parallelism the same value on every rank.
+    pub fn head_loss_sum(&self, x: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let head = self.head();
+        if !head.fused_loss {
+            return self.loss_sum(self.logits(x), targets);
+        }
+        let x = head.ln_f.forward(x, head.fused_norm);
+        let loss = LinearCrossEntropy::new();
+        if let Some(lm_head) = &head.lm_head {
+            return lm_head.cross_entropy_sum(x, targets, &loss);
+        }
+        let wte = self.tied_head(FloatDType::from(x.dtype()));
+        (self.tp).head_cross_entropy_sum(x, wte, self.vocab, targets, &loss)
+    }
+
+    fn head(&self) -> &Head<B> {
+        self.head
+            .as_ref()
+            .expect("the head's output on a stage without the head")
+    }
+
+    /// A tied head's weight, `wte` (this rank's rows of it) in `dtype`, and its layout.
+    fn tied_head(&self, dtype: FloatDType) -> (Tensor<B, 2>, HeadLayout) {
+        let wte = match (&self.head().wte, &self.embeddings) {
             (Some(copy), _) => copy,
             (None, Some(embeddings)) => &embeddings.wte.weight,
             (None, None) => unreachable!("split() gives a tied head without the embedding a copy"),
         };
-        // The head is column-parallel in the vocabulary: its input enters the tensor-parallel
-        // region as a column-parallel layer's does.
-        let x = self.tp.enter_parallel_region(x);
-        let wte = in_dtype(wte.val(), FloatDType::from(x.dtype()));
-        x.matmul(wte.transpose().unsqueeze())
+        (in_dtype(wte.val(), dtype), HeadLayout::VocabRows)
     }
 
     /// Logits of the whole model.
@@ -854,22 +890,31 @@ impl<B: DecoratedBackend> Gpt<B> {
             Some(group) => {
                 let rows = &split_ranges(self.vocab, group.size())[group.rank()];
                 collective(vocab_parallel_cross_entropy(
-                    logits, targets, rows.start, group,
+                    logits,
+                    targets,
+                    rows.start,
+                    IGNORE_INDEX,
+                    group,
                 ))
             }
         }
     }
 }
 
-/// Summed next-token cross-entropy `Σ −log softmax(logits)[target]` over every position, and the
-/// number of positions. Callers divide by the token count of the whole optimizer step, so that
-/// gradient accumulation and data parallelism weight every token equally.
+/// Summed next-token cross-entropy `Σ −log softmax(logits)[target]` over every position (the
+/// decomposed loss, from the whole logits), and the number of positions. Callers divide by the
+/// token count of the whole optimizer step, so that gradient accumulation and data parallelism
+/// weight every token equally.
 pub fn cross_entropy_sum<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
 ) -> (Tensor<B, 1>, usize) {
     let [batch, seq, vocab] = logits.dims();
-    let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
-    let picked = log_probs.gather(1, targets.reshape([batch * seq, 1]));
-    (picked.sum().neg(), batch * seq)
+    let rows = batch * seq;
+    let loss = logits_cross_entropy_sum(
+        logits.reshape([rows, vocab]),
+        targets.reshape([rows]),
+        IGNORE_INDEX,
+    );
+    (loss, rows)
 }

@@ -61,8 +61,7 @@ fn batch_loss<B: DecoratedBackend>(
     model: &GptChunks<B>,
     batch: &TokenBatch<B>,
 ) -> (Tensor<B, 1>, usize) {
-    let logits = model.forward(batch.inputs.clone());
-    let loss = model.last().loss_sum(logits, batch.targets.clone());
+    let loss = model.loss_sum(batch.inputs.clone(), batch.targets.clone());
     (loss, batch.tokens())
 }
 
@@ -140,7 +139,7 @@ impl<B: DecoratedBackend> PipelineChunk<B> for Gpt<B> {
     }
 
     fn loss(&self, output: Tensor<B, 3>, batch: &TokenBatch<B>) -> (Tensor<B, 1>, Tensor<B, 1>) {
-        let loss_sum = self.loss_sum(self.logits(output), batch.targets.clone());
+        let loss_sum = self.head_loss_sum(output, batch.targets.clone());
         (loss_sum.clone() * batch.loss_scale, loss_sum)
     }
 }

@@ -1,5 +1,6 @@
 //! Flex's f32 matmul without its allocation overhead: what `Parallel<Flex>` runs for a float
-//! matmul when the matmul precision policy is off.
+//! matmul when the matmul precision policy is off; and a product added into an existing
+//! matrix's memory ([`accumulate`], the blocked cross-entropy's weight gradient).
 //!
 //! Flex allocates every matmul's output zeroed as bytes and then, to align the bytes, copies it
 //! into a second allocation (`FlexTensor::empty`): a memset and a memcpy of the output per
@@ -188,6 +189,67 @@ pub fn matmul([lhs, rhs]: [FlexTensor; 2]) -> Option<[FlexTensor; 1]> {
     Some([FlexTensor::from_data(TensorData::new(values, shape))])
 }
 
+/// `acc + lhs · rhs` for f32 matrices `acc: [m, n]`, `lhs: [m, k]` and `rhs: [k, n]` (any
+/// strides), summed into `acc`'s own memory by one `gemm` call that reads it (`acc ← acc +
+/// lhs·rhs`): no output allocated and no second pass to add, where `acc + lhs.matmul(rhs)`
+/// allocates the product and then the sum. Hands the inputs back when `acc` shares its memory
+/// with another tensor or is not contiguous from its start, or the inputs are not f32
+/// matrices of agreeing shapes.
+#[allow(clippy::result_large_err)] // the inputs handed back, moved once a call
+pub fn accumulate([acc, lhs, rhs]: [FlexTensor; 3]) -> Result<[FlexTensor; 1], [FlexTensor; 3]> {
+    let dims = |t: &FlexTensor| t.layout().shape().as_slice().to_vec();
+    let (acc_dims, lhs_dims, rhs_dims) = (dims(&acc), dims(&lhs), dims(&rhs));
+    let taken = [&acc, &lhs, &rhs].iter().all(|t| t.dtype() == DType::F32)
+        && [&acc_dims, &lhs_dims, &rhs_dims]
+            .iter()
+            .all(|d| d.len() == 2)
+        && lhs_dims[1] == rhs_dims[0]
+        && acc_dims == [lhs_dims[0], rhs_dims[1]]
+        && acc.is_unique()
+        && acc.layout().contiguous_offsets() == Some((0, acc_dims[0] * acc_dims[1]));
+    if !taken {
+        return Err([acc, lhs, rhs]);
+    }
+    let (m, k, n) = (lhs_dims[0], lhs_dims[1], rhs_dims[1]);
+    let mut acc = acc;
+    if m > 0 && n > 0 && k > 0 {
+        let (lhs, rhs) = (Operand::of(&lhs, &[]), Operand::of(&rhs, &[]));
+        let parallelism = match m.saturating_mul(n).saturating_mul(k) >= SPLIT_MATRIX_WORK {
+            true => gemm::Parallelism::Rayon(0),
+            false => gemm::Parallelism::None,
+        };
+        let out = acc.storage_mut::<f32>();
+        // SAFETY: `out` is `acc`'s own contiguous `m × n` row-major storage (checked unique and
+        // contiguous from offset 0 above), which `gemm` reads and writes in place
+        // (`read_dst`); the inputs' matrices lie inside their storage at the layouts' offsets
+        // and strides, which is what `Operand` reads.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                true,
+                lhs.data.as_ptr().offset(lhs.start),
+                lhs.col_stride,
+                lhs.row_stride,
+                rhs.data.as_ptr().offset(rhs.start),
+                rhs.col_stride,
+                rhs.row_stride,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+    }
+    Ok([acc])
+}
+
 fn zeros(shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(vec![0.0f32; shape.num_elements()], shape))
 }
@@ -203,6 +265,38 @@ mod tests {
 
     fn flex<const D: usize>(tensor: Tensor<B, D>) -> FlexTensor {
         tensor.into_primitive().tensor()
+    }
+
+    /// `accumulate` sums into `acc`'s own memory (the output's storage is the input's), within
+    /// f32 rounding of `acc + lhs·rhs` (a transposed `rhs`, large enough to split over the
+    /// threads), and hands back an `acc` whose memory another tensor shares.
+    #[test]
+    fn accumulates_in_place() {
+        let device = Default::default();
+        let draw = |dims: [usize; 2]| Tensor::<B, 2>::random(dims, Distribution::Default, &device);
+        let (acc, lhs, rhs) = (
+            draw([64, 300]),
+            draw([64, 256]),
+            draw([300, 256]).transpose(),
+        );
+        let expected: Vec<f32> = (acc.clone() + lhs.clone().matmul(rhs.clone()))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let shared = [flex(acc.clone()), flex(lhs.clone()), flex(rhs.clone())];
+        assert!(
+            accumulate(shared).is_err(),
+            "an acc shared with `acc` is handed back"
+        );
+        let own = flex(Tensor::<B, 2>::from_data(acc.to_data(), &device));
+        let before = own.as_slice::<f32>().unwrap().as_ptr();
+        let [sum] = accumulate([own, flex(lhs), flex(rhs)])
+            .map_err(|_| "declined")
+            .unwrap();
+        let got = sum.as_slice::<f32>().unwrap();
+        assert_eq!(got.as_ptr(), before, "summed in place");
+        let difference = crate::compare::relative_difference(got, &expected);
+        assert!(difference <= 1e-6, "{difference:e}");
     }
 
     /// Bit for bit Flex's own matmul, on shapes that take each of the three threadings, with
