@@ -243,6 +243,31 @@ pub(crate) fn rows_per_task(columns: usize) -> usize {
     (65_536 / columns.max(1)).max(1)
 }
 
+/// `t` with its elements contiguous (itself when they are).
+pub(crate) fn contiguous(t: FlexTensor) -> FlexTensor {
+    match t.layout().contiguous_offsets() {
+        Some(_) => t,
+        None => t.to_contiguous(),
+    }
+}
+
+/// The elements of contiguous f32 `t`, writable (Flex copies the memory first when another
+/// tensor shares it).
+pub(crate) fn elements_mut(t: &mut FlexTensor) -> &mut [f32] {
+    let (start, end) = t
+        .layout()
+        .contiguous_offsets()
+        .expect("made contiguous before");
+    &mut t.storage_mut::<f32>()[start..end]
+}
+
+/// Whether `t`'s elements can be written where they lie without a copy: no other tensor shares
+/// its memory, and they are contiguous from its start.
+pub(crate) fn owns_its_elements(t: &FlexTensor) -> bool {
+    let elements = t.layout().num_elements();
+    t.is_unique() && t.layout().contiguous_offsets() == Some((0, elements))
+}
+
 /// Elements per task of [`scale_in_place`].
 const SCALE_TASK: usize = 1 << 16;
 
@@ -253,18 +278,16 @@ const SCALE_TASK: usize = 1 << 16;
 pub fn scale_in_place(
     [tensor, factor]: [FlexTensor; 2],
 ) -> Result<[FlexTensor; 1], [FlexTensor; 2]> {
-    let elements = tensor.layout().num_elements();
     let taken = tensor.dtype() == DType::F32
         && factor.dtype() == DType::F32
         && factor.layout().num_elements() == 1
-        && tensor.is_unique()
-        && tensor.layout().contiguous_offsets() == Some((0, elements));
+        && owns_its_elements(&tensor);
     let value = match factor.as_slice::<f32>() {
         Some(&[value]) if taken => value,
         _ => return Err([tensor, factor]),
     };
     let mut tensor = tensor;
-    tensor.storage_mut::<f32>()[..elements]
+    elements_mut(&mut tensor)
         .par_chunks_mut(SCALE_TASK)
         .for_each(|part| vectorised(|| part.iter_mut().for_each(|x| *x *= value)));
     Ok([tensor])

@@ -902,7 +902,8 @@ impl<B: DecoratedBackend> Gpt<B> {
 }
 
 /// Summed next-token cross-entropy `Σ −log softmax(logits)[target]` over every position (the
-/// decomposed loss, from the whole logits), and the number of positions. Callers divide by the
+/// decomposed loss, from the whole logits; targets equal to `IGNORE_INDEX` add nothing), and
+/// the number of positions. Callers divide by the
 /// token count of the whole optimizer step, so that gradient accumulation and data parallelism
 /// weight every token equally.
 pub fn cross_entropy_sum<B: Backend>(

@@ -240,10 +240,10 @@ fn step_in_place(
     if !takes {
         return Err(inputs);
     }
-    let [mut param, grad, mut moment_1, mut moment_2] = inputs.map(contiguous);
+    let [mut param, grad, mut moment_1, mut moment_2] = inputs.map(flex::contiguous);
     let grad = grad.as_slice::<f32>().expect("contiguous f32");
     let [param_values, moment_1_values, moment_2_values] =
-        [&mut param, &mut moment_1, &mut moment_2].map(elements_mut);
+        [&mut param, &mut moment_1, &mut moment_2].map(flex::elements_mut);
     param_values
         .par_chunks_mut(TASK)
         .zip(moment_1_values.par_chunks_mut(TASK))
@@ -260,24 +260,6 @@ fn step_in_place(
             )
         });
     Ok([param, moment_1, moment_2])
-}
-
-/// `t` with its elements contiguous (itself when they are).
-fn contiguous(t: FlexTensor) -> FlexTensor {
-    match t.layout().contiguous_offsets() {
-        Some(_) => t,
-        None => t.to_contiguous(),
-    }
-}
-
-/// The elements of contiguous f32 `t`, writable (Flex copies the memory first when another
-/// tensor shares it).
-fn elements_mut(t: &mut FlexTensor) -> &mut [f32] {
-    let (start, end) = t
-        .layout()
-        .contiguous_offsets()
-        .expect("made contiguous before");
-    &mut t.storage_mut::<f32>()[start..end]
 }
 
 #[cfg(test)]

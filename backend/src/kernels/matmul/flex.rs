@@ -16,6 +16,8 @@ use burn::tensor::{DType, Shape, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
+use crate::kernels::flex::{elements_mut, owns_its_elements};
+
 /// Work (`m·n·k`) from which one matrix's product is split over the threads, inside `gemm`.
 const SPLIT_MATRIX_WORK: usize = 192 * 192 * 192;
 /// Total work from which a batch of at least two matrices runs its matrices in parallel, one
@@ -205,8 +207,7 @@ pub fn accumulate([acc, lhs, rhs]: [FlexTensor; 3]) -> Result<[FlexTensor; 1], [
             .all(|d| d.len() == 2)
         && lhs_dims[1] == rhs_dims[0]
         && acc_dims == [lhs_dims[0], rhs_dims[1]]
-        && acc.is_unique()
-        && acc.layout().contiguous_offsets() == Some((0, acc_dims[0] * acc_dims[1]));
+        && owns_its_elements(&acc);
     if !taken {
         return Err([acc, lhs, rhs]);
     }
@@ -218,7 +219,7 @@ pub fn accumulate([acc, lhs, rhs]: [FlexTensor; 3]) -> Result<[FlexTensor; 1], [
             true => gemm::Parallelism::Rayon(0),
             false => gemm::Parallelism::None,
         };
-        let out = acc.storage_mut::<f32>();
+        let out = elements_mut(&mut acc);
         // SAFETY: `out` is `acc`'s own contiguous `m × n` row-major storage (checked unique and
         // contiguous from offset 0 above), which `gemm` reads and writes in place
         // (`read_dst`); the inputs' matrices lie inside their storage at the layouts' offsets
