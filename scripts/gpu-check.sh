@@ -208,9 +208,11 @@ fi
 
 if wanted kernel-tests; then
     # Each kernel against f64 or decomposed attention in f32, f16 and bf16 (bf16 is skipped on
-    # lavapipe), the kernels queued in the fusion stream against the bare backend, and a GPT
+    # lavapipe), the kernels queued in the fusion stream against the bare backend, the fused
+    # cross-entropy against the decomposed loss (off on CUDA until this passes), and a GPT
     # training step with the kernels against the decomposed ops.
-    for module in flash_attention mixed_matmul cublaslt bias_gelu layer_norm rope swiglu adamw fusion; do
+    for module in flash_attention mixed_matmul cublaslt bias_gelu layer_norm rope swiglu adamw fusion \
+        cross_entropy; do
         run "test-$module" "CubeCL kernel tests on CUDA: $module" \
             cargo_test wildfire-backend backend "$module::"
     done

@@ -13,7 +13,7 @@ use wildfire_backend::kernels::attention::{decomposed_attention, fused_attention
 use wildfire_backend::kernels::matmul::{
     MatmulPrecision, MixedMatmul, reference, set_matmul_precision,
 };
-use wildfire_backend::kernels::route::set_kernels_enabled;
+use wildfire_backend::kernels::route::{KernelPath, kernel_paths, set_kernels_enabled};
 
 use crate::common::{KernelBackend, alone_in_a_process, output_and_grads, relative_error};
 
@@ -26,6 +26,25 @@ fn uniform(shape: [usize; 2], seed: u64) -> TensorData {
 
 fn values(data: TensorData) -> Vec<f32> {
     data.convert::<f32>().to_vec().unwrap()
+}
+
+/// The calls `run` made of each op on each path, `(op, path, calls)`, from the process's kernel
+/// counters: the proof that a kernel ran, which a result close to the reference's is not.
+fn paths_taken<T>(run: impl FnOnce() -> T) -> (T, Vec<(&'static str, KernelPath, u64)>) {
+    let before = kernel_paths();
+    let result = run();
+    let calls_before = |op: &str, path: KernelPath| {
+        before
+            .iter()
+            .find(|&&(o, p, _)| o == op && p == path)
+            .map_or(0, |&(_, _, calls)| calls)
+    };
+    let taken = kernel_paths()
+        .into_iter()
+        .map(|(op, path, calls)| (op, path, calls - calls_before(op, path)))
+        .filter(|&(_, _, calls)| calls > 0)
+        .collect();
+    (result, taken)
 }
 
 #[test]
@@ -46,7 +65,8 @@ fn the_decorator_routes_attention_and_matmuls() {
 
 /// The forward and the three gradients of `Autodiff<Parallel<Wgpu>>`'s fused attention (the
 /// kernels and their autodiff node) against decomposed attention with autodiff on Flex.
-/// Tolerance 1e-5 of the largest reference value, as for the kernels alone.
+/// Tolerance 1e-5 of the largest reference value, as for the kernels alone. The kernel counters
+/// show the CubeCL kernels ran, once each: a reference that ran instead would pass the bound.
 fn routed_attention_matches_decomposed(device: &WgpuDevice) {
     type Routed = Autodiff<Parallel<Wgpu>>;
     type Reference = Autodiff<Flex>;
@@ -59,8 +79,17 @@ fn routed_attention_matches_decomposed(device: &WgpuDevice) {
         })
         .collect();
     for causal in [true, false] {
-        let routed =
-            output_and_grads::<Routed>(&data, device, |q, k, v| fused_attention(q, k, v, causal));
+        let (routed, taken) = paths_taken(|| {
+            output_and_grads::<Routed>(&data, device, |q, k, v| fused_attention(q, k, v, causal))
+        });
+        assert_eq!(
+            taken,
+            [
+                ("attention backward", KernelPath::CubeCl, 1),
+                ("attention forward", KernelPath::CubeCl, 1)
+            ],
+            "causal {causal}: the kernels, once each"
+        );
         let expected = output_and_grads::<Reference>(&data, &Default::default(), |q, k, v| {
             decomposed_attention(q, k, v, causal)
         });
@@ -152,20 +181,29 @@ fn matmul_policy_on_flex() {
 /// On `Parallel<Wgpu>` with the kernels opted in, f16: the kernel's product equals
 /// `Parallel<Flex>`'s (the reference) under the same policy, up to the order of the f32 sums,
 /// `|Δ| ≤ 2γ·Σ|aₗbₗ|` with `γ = 1.01·k·2⁻²⁴`. A product from unrounded inputs would differ by
-/// about 2⁻¹¹·Σ|aₗbₗ|, far beyond that.
+/// about 2⁻¹¹·Σ|aₗbₗ|, far beyond that. The kernel counters show the CubeCL kernel ran.
 fn matmul_policy_on_wgpu(device: &WgpuDevice) {
     let (k, n) = (64, 24);
     let [x, w] = [uniform([16, k], 3), uniform([k, n], 4)];
     set_matmul_precision(MatmulPrecision::F16);
-    let on_wgpu = Tensor::<Parallel<Wgpu>, 2>::from_data(x.clone(), device)
-        .matmul(Tensor::from_data(w.clone(), device))
-        .into_data();
+    let (on_wgpu, taken) = paths_taken(|| {
+        Tensor::<Parallel<Wgpu>, 2>::from_data(x.clone(), device)
+            .matmul(Tensor::from_data(w.clone(), device))
+            .into_data()
+    });
+    assert_eq!(
+        taken,
+        [("mixed-precision matmul", KernelPath::CubeCl, 1)],
+        "the kernel, once"
+    );
     let on_flex = Tensor::<Parallel<Flex>, 2>::from_data(x.clone(), &Default::default())
         .matmul(Tensor::from_data(w.clone(), &Default::default()))
         .into_data();
     let (x, w) = (values(x), values(w));
     let gamma = 1.01 * k as f32 * 2f32.powi(-24);
-    for (index, (a, b)) in values(on_wgpu).iter().zip(values(on_flex)).enumerate() {
+    let (on_wgpu, on_flex) = (values(on_wgpu), values(on_flex));
+    assert_eq!(on_wgpu.len(), on_flex.len(), "element counts");
+    for (index, (a, b)) in on_wgpu.iter().zip(on_flex).enumerate() {
         let (i, j) = (index / n, index % n);
         let magnitude: f32 = (0..k).map(|l| (x[i * k + l] * w[l * n + j]).abs()).sum();
         assert!(

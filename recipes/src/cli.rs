@@ -30,7 +30,8 @@ pub struct Cli {
 pub enum Command {
     /// Start one process per local rank with torchrun's variables and supervise them.
     Launch(LaunchArgs),
-    /// Check every collective with rank-stamped data, exactly, on this job's ranks.
+    /// Check every collective with rank-stamped data, exactly, and the reductions' order with
+    /// seeded non-integer data, bit for bit against the serial fold, on this job's ranks.
     CommCheck(CommCheckArgs),
     /// Tokenise text files, directories and JSON lines into token shards that `train --data`
     /// reads through memory maps.
@@ -646,11 +647,13 @@ fn check_one(world: &ProcessGroup, device: &str, large: bool) -> Result<(), Stri
         other => return Err(format!("--device {other:?} is not available in this build")),
     };
     println!(
-        "comm-check passed: rank {} of {} ({} transport, {device} tensors), {} exact checks in {:.2} s{}",
+        "comm-check passed: rank {} of {} ({} transport, {device} tensors), {} exact checks \
+         ({} of them folds of seeded non-integer values, bit for bit) in {:.2} s{}",
         world.rank(),
         world.size(),
         world.transport_name(),
         summary.checks,
+        summary.fold_checks,
         started.elapsed().as_secs_f64(),
         if summary.skipped.is_empty() {
             String::new()

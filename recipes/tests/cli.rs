@@ -1,16 +1,9 @@
 //! The `wildfire` command line as a user runs it. (These tests also make `cargo test --workspace`
 //! build the `wildfire` binary, which the multi-process tests in `tests/` launch.)
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-use crate::common::{LIMIT, finish, spawn};
-
-fn wildfire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_wildfire"))
-        .args(args)
-        .output()
-        .expect("run wildfire")
-}
+use crate::common::{LIMIT, finish, spawn, spawn_with_env, wildfire_output as wildfire};
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -66,11 +59,12 @@ fn comm_check_runs_ranks_as_threads() {
 
 #[test]
 fn bad_comm_settings_are_named() {
-    let out = Command::new(env!("CARGO_BIN_EXE_wildfire"))
-        .args(["comm-check", "--small"])
-        .env("WILDFIRE_COMM_TIMEOUT", "soon")
-        .output()
-        .expect("run wildfire");
+    let args = ["comm-check", "--small"].map(str::to_string);
+    let timeout = [("WILDFIRE_COMM_TIMEOUT", "soon")];
+    let out = finish(
+        spawn_with_env(env!("CARGO_BIN_EXE_wildfire"), &args, &timeout),
+        LIMIT,
+    );
     assert!(!out.status.success());
     assert!(
         stderr(&out).contains("WILDFIRE_COMM_TIMEOUT=\"soon\""),

@@ -40,7 +40,7 @@
 //! micro-batch per rank, ZeRO 2 and offload against ZeRO 1, resume) hold on every seed.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -303,10 +303,8 @@ fn a_node_whose_rank_dies_fails_the_other_node_fast() {
             .args(&train)
             .env("WILDFIRE_JOB_TOKEN", "two-nodes-secret")
             .env("WILDFIRE_ADVERTISE_ADDR", "127.0.0.1")
-            .env("WILDFIRE_COMM_TIMEOUT", "60")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        launcher.spawn().expect("spawn a node's launcher")
+            .env("WILDFIRE_COMM_TIMEOUT", "60");
+        spawn_command(&mut launcher)
     };
     let (node0, node1) = (node(0), node(1));
     let started = Instant::now();
@@ -567,13 +565,11 @@ fn a_restarted_job_continues_the_uninterrupted_run() {
             .args(["launch", "--nproc-per-node", "2", "--max-restarts", "1"])
             .args(["--master-port", &port.to_string(), "--"])
             .arg(env!("CARGO_BIN_EXE_wildfire"))
-            .args(train(&dir, every, background))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .args(train(&dir, every, background));
         if let Fault::CrashAt(spec) = fault {
             launcher.env(checkpoint::CRASH_ENV, spec);
         }
-        let launcher = launcher.spawn().expect("spawn the launcher");
+        let launcher = spawn_command(&mut launcher);
         if let Fault::KillWhen(ready) = fault {
             let started = Instant::now();
             while !ready(&dir) {

@@ -17,10 +17,11 @@
 //! fixture, so the continuation cannot flip within that bound) and its continuation token for
 //! token, with and without the key/value cache. `wildfire generate --init-from hf:DIR` encodes
 //! the text prompt to transformers' ids and writes transformers' text. Exported back, it is the
-//! same config, the same tensors and the same tokenizer.json, and generates the same text; where
-//! transformers is installed, it loads the export as its family's class with our logits at every
-//! position (tests/python/check_hf_export.py), and transformers' tokenizer of the export encodes
-//! the prompt to our ids and decodes our ids to our text (tests/python/check_hf_tokenizer.py).
+//! same config, the same tensors and the same tokenizer.json, and generates the same text; and (an
+//! ignored test, for where transformers is installed) transformers loads the export as its
+//! family's class with our logits at every position (tests/python/check_hf_export.py), and its
+//! tokenizer of the export encodes the prompt to our ids and decodes our ids to our text
+//! (tests/python/check_hf_tokenizer.py).
 
 use std::path::{Path, PathBuf};
 use wildfire_backend::compare::max_abs_difference;
@@ -83,16 +84,24 @@ fn assert_logits(ours: &[f32], theirs: &[f64], what: &str) {
     assert!(worst <= LOGITS, "{what}: logits {worst:e} apart");
 }
 
+/// The fixture `name`'s model, loaded through `--init-from hf:DIR`'s reader, with its config and
+/// what transformers computed with it (expected.json).
+fn family(name: &str) -> (Gpt<CpuBackend>, GptConfig, Value) {
+    let dir = fixture(name);
+    let expected = json(&dir.join("expected.json"));
+    let source = format!("hf:{}", dir.display());
+    let config = hf::model_config(&source, 0.0).unwrap().unwrap();
+    let fresh = Gpt::<CpuBackend>::new(&config, StageSpec::whole(&config), &Default::default());
+    let model = hf::init_from(fresh, &config, &source).unwrap();
+    (model, config, expected)
+}
+
 #[test]
 fn every_family_computes_what_transformers_computed() {
     for name in FAMILIES {
         let dir = fixture(name);
-        let expected = json(&dir.join("expected.json"));
+        let (model, config, expected) = family(name);
         let (prompt, greedy) = (ids(&expected["prompt"]), ids(&expected["greedy"]));
-        let source = format!("hf:{}", dir.display());
-        let config = hf::model_config(&source, 0.0).unwrap().unwrap();
-        let fresh = Gpt::<CpuBackend>::new(&config, StageSpec::whole(&config), &Default::default());
-        let model = hf::init_from(fresh, &config, &source).unwrap();
 
         let theirs: Vec<f64> = serde_json::from_value(expected["last_logits"].clone()).unwrap();
         let ours = logits(&model, &prompt);
@@ -115,8 +124,68 @@ fn every_family_computes_what_transformers_computed() {
         }
         let text_prompt = &expected["text"];
         writes_transformers_text(name, &dir, text_prompt);
-        let out = exports_as_it_came(name, &model, &config, &prompt, &ours, text_prompt);
+        let out = exports_as_it_came(name, &model, &config, "hf-family");
         writes_transformers_text(&format!("{name} exported"), &out, text_prompt);
+    }
+}
+
+/// Every family's export loads in transformers as its family's class with our logits at every
+/// position (tests/python/check_hf_export.py), and transformers' tokenizer of the export encodes
+/// the text prompt to our ids and decodes our ids to our text (tests/python/check_hf_tokenizer.py).
+#[test]
+#[ignore = "needs python3 with torch and transformers"]
+fn every_family_exported_loads_in_transformers() {
+    for name in FAMILIES {
+        let (model, config, expected) = family(name);
+        let prompt = ids(&expected["prompt"]);
+        let ours = logits(&model, &prompt);
+        let out = exports_as_it_came(name, &model, &config, "hf-family-transformers");
+        let tokenizer = hf::tokenizer(&out, &config).unwrap();
+
+        let mut args = vec![out.to_str().unwrap().to_string(), "0".to_string()];
+        args.extend(prompt.iter().map(u32::to_string));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let check = python_required("check_hf_export.py", &args);
+        assert!(
+            check.status.success(),
+            "{name}: transformers:\n{}",
+            text(&check)
+        );
+        let theirs: Value = serde_json::from_slice(&check.stdout).unwrap();
+        let theirs: Vec<Vec<f64>> = serde_json::from_value(theirs["logits"].clone()).unwrap();
+        assert_eq!(theirs.len(), ours.len(), "{name}: positions");
+        let what = format!("{name} exported, every position");
+        assert_logits(&ours.concat(), &theirs.concat(), &what);
+
+        let text_prompt = &expected["text"];
+        let text_ids = [ids(&text_prompt["ids"]), ids(&text_prompt["greedy"])].concat();
+        let text_file = out.join("prompt.txt");
+        std::fs::write(&text_file, text_prompt["prompt"].as_str().unwrap()).unwrap();
+        let mut args = vec![
+            out.to_str().unwrap().to_string(),
+            text_file.to_str().unwrap().to_string(),
+        ];
+        args.extend(text_ids.iter().map(u32::to_string));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let check = python_required("check_hf_tokenizer.py", &args);
+        assert!(
+            check.status.success(),
+            "{name}: transformers' tokenizer:\n{}",
+            text(&check)
+        );
+        let theirs: Value = serde_json::from_slice(&check.stdout).unwrap();
+        assert_eq!(
+            ids(&theirs["ids"]),
+            tokenizer
+                .encode(text_prompt["prompt"].as_str().unwrap())
+                .unwrap(),
+            "{name} exported: transformers' ids of the text prompt"
+        );
+        assert_eq!(
+            theirs["decoded"].as_str().unwrap(),
+            tokenizer.decode(&text_ids).unwrap(),
+            "{name} exported: transformers' text of the prompt and its continuation"
+        );
     }
 }
 
@@ -157,19 +226,15 @@ fn writes_transformers_text(name: &str, dir: &Path, expected: &Value) {
 }
 
 /// `model` (the fixture `name`) exported with the fixture's tokenizer: the fixture's config,
-/// tensors and tokenizer.json again, and, where transformers is installed, its logits of
-/// `prompt`, `ours`, from transformers' class of the family, and from transformers' tokenizer
-/// of the export the ids and the text of `text_prompt` (a fixture's `text`). Returns the
-/// export's directory.
+/// tensors and tokenizer.json again. Returns the export's directory, `dir_name-name` under the
+/// temporary directory.
 fn exports_as_it_came(
     name: &str,
     model: &Gpt<CpuBackend>,
     config: &GptConfig,
-    prompt: &[u32],
-    ours: &[Vec<f32>],
-    text_prompt: &Value,
+    dir_name: &str,
 ) -> RunDir {
-    let out = run_dir(&format!("hf-family-{name}"));
+    let out = run_dir(&format!("{dir_name}-{name}"));
     let tokenizer = hf::tokenizer(&fixture(name), config).unwrap();
     hf::export(model, config, &tokenizer, &out, u64::MAX).unwrap();
     let tokenizer_json = |dir: &Path| std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
@@ -192,50 +257,5 @@ fn exports_as_it_came(
         "{name}: exported tensors"
     );
 
-    let mut args = vec![out.to_str().unwrap().to_string(), "0".to_string()];
-    args.extend(prompt.iter().map(u32::to_string));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let Some(check) = python("check_hf_export.py", &args) else {
-        return out;
-    };
-    assert!(
-        check.status.success(),
-        "{name}: transformers:\n{}",
-        text(&check)
-    );
-    let theirs: Value = serde_json::from_slice(&check.stdout).unwrap();
-    let theirs: Vec<Vec<f64>> = serde_json::from_value(theirs["logits"].clone()).unwrap();
-    assert_eq!(theirs.len(), ours.len(), "{name}: positions");
-    let what = format!("{name} exported, every position");
-    assert_logits(&ours.concat(), &theirs.concat(), &what);
-
-    let text_ids = [ids(&text_prompt["ids"]), ids(&text_prompt["greedy"])].concat();
-    let text_file = out.join("prompt.txt");
-    std::fs::write(&text_file, text_prompt["prompt"].as_str().unwrap()).unwrap();
-    let mut args = vec![
-        out.to_str().unwrap().to_string(),
-        text_file.to_str().unwrap().to_string(),
-    ];
-    args.extend(text_ids.iter().map(u32::to_string));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let check = python("check_hf_tokenizer.py", &args).expect("transformers ran a moment ago");
-    assert!(
-        check.status.success(),
-        "{name}: transformers' tokenizer:\n{}",
-        text(&check)
-    );
-    let theirs: Value = serde_json::from_slice(&check.stdout).unwrap();
-    assert_eq!(
-        ids(&theirs["ids"]),
-        tokenizer
-            .encode(text_prompt["prompt"].as_str().unwrap())
-            .unwrap(),
-        "{name} exported: transformers' ids of the text prompt"
-    );
-    assert_eq!(
-        theirs["decoded"].as_str().unwrap(),
-        tokenizer.decode(&text_ids).unwrap(),
-        "{name} exported: transformers' text of the prompt and its continuation"
-    );
     out
 }

@@ -55,25 +55,31 @@ fn initial_params(dir: &Path) -> BTreeMap<String, TensorData> {
         .collect()
 }
 
+/// The largest relative difference of a half-precision run's first loss from fp32's (see
+/// [`half_precision_trains_like_fp32`]).
+const FIRST_STEP: f64 = 1e-4;
+
 /// bf16 and fp16 compute train like fp32, with master weights (the checkpointed parameters) in
 /// fp32.
 ///
 /// Tolerances, relative to fp32's loss:
-/// - **Step 0** (the same parameters, so only the forward's rounding differs): the unit
-///   roundoff of the compute type, 2^-8 ≈ 3.9e-3 for bf16 (8 significant bits) and
-///   2^-11 ≈ 4.9e-4 for fp16 (11 bits). The loss is computed in fp32 from logits rounded to the compute type, and
-///   the roundings of a matmul's many products largely cancel: measured 3.6e-6 (bf16) and
-///   6.0e-6 (fp16).
+/// - **Step 0: [`FIRST_STEP`] = 1e-4** (the same parameters, so only the forward's rounding
+///   differs). The loss is computed in fp32 from logits rounded to the compute type, and the
+///   roundings of a matmul's many products largely cancel, far below the unit roundoff (2⁻⁸ for
+///   bf16): measured 2.2e-7 (bf16) and 7.3e-6 (fp16), and under `--matmul-precision` 6.2e-6
+///   (bf16) and 3.3e-6 (f16) (2026-12-07, AVX-512 Xeon; the worst seen before the fused loss was
+///   9.4e-6). The bound is that worst × 10, rounded up: an error of 1e-3 in the loss fails it.
 /// - **Every step of 10: 1e-2.** From step 1 the parameters differ too: AdamW divides each
 ///   gradient by its running RMS, so a rounding difference in a small gradient moves its element
 ///   by a visible fraction of the learning rate, and the runs drift apart (the same effect as
-///   tensor parallelism's reordered sums, see `tensor_parallel.rs`). Measured worst: 3.7e-3
-///   (bf16) and 3.4e-3 (fp16).
+///   tensor parallelism's reordered sums, see `tensor_parallel.rs`). Measured worst: 2.5e-3
+///   (bf16) and 5.0e-4 (fp16) (3.7e-3 and 3.4e-3 before the fused loss); the bound is 2.7× the
+///   worst seen. With dropout the drift is larger (below).
 #[test]
 fn half_precision_trains_like_fp32() {
     let fp32 = train("precision-fp32", &[]);
     let expected = series(&fp32, "train", "loss");
-    for (precision, first_step) in [("bf16", 2f64.powi(-8)), ("fp16", 2f64.powi(-11))] {
+    for precision in ["bf16", "fp16"] {
         // fp16 starts from a scale of 2^10, small enough that no step overflows: a skipped
         // step would be one update fewer than fp32's (the scaler is tested below).
         let scale = "precision.initial_loss_scale=1024";
@@ -95,7 +101,7 @@ fn half_precision_trains_like_fp32() {
              steps {worst:e}"
         );
         assert!(
-            first <= first_step,
+            first <= FIRST_STEP,
             "{precision}: step 0 differs by {first:e}"
         );
         assert_close_losses(&expected, &losses, 1e-2, precision);
@@ -108,12 +114,12 @@ fn half_precision_trains_like_fp32() {
 
 /// The matmul precision policy (`--matmul-precision`) in an fp32 run: every matmul, forward
 /// and backward, rounds its inputs to bf16 or f16 and accumulates in f32; everything else stays
-/// fp32. Bounds as for `--precision` above (step 0: the compute type's unit roundoff; every step
-/// of 10: 1e-2), and the losses must differ from fp32's (the policy ran).
+/// fp32. Bounds as for `--precision` above (step 0: [`FIRST_STEP`]; every step of 10: 1e-2), and
+/// the losses must differ from fp32's (the policy ran).
 #[test]
 fn matmul_precision_trains_like_fp32() {
     let expected = series(&train("matmul-precision-off", &[]), "train", "loss");
-    for (policy, first_step) in [("bf16", 2f64.powi(-8)), ("f16", 2f64.powi(-11))] {
+    for policy in ["bf16", "f16"] {
         let dir = train(
             &format!("matmul-precision-{policy}"),
             &["--matmul-precision", policy],
@@ -121,7 +127,7 @@ fn matmul_precision_trains_like_fp32() {
         let losses = series(&dir, "train", "loss");
         let first = (expected[0] - losses[0]).abs() / expected[0];
         println!("matmul {policy}: relative loss difference to fp32 at step 0 {first:e}");
-        assert!(first <= first_step, "{policy}: step 0 differs by {first:e}");
+        assert!(first <= FIRST_STEP, "{policy}: step 0 differs by {first:e}");
         assert_close_losses(&expected, &losses, 1e-2, policy);
         assert_ne!(
             expected, losses,
@@ -131,7 +137,9 @@ fn matmul_precision_trains_like_fp32() {
 }
 
 /// With dropout the masks are drawn in fp32 and cast to the compute type, so bf16 draws the fp32
-/// run's masks and trains like it (the 10-step bound above; measured worst 5.5e-3).
+/// run's masks and trains like it, losses within 2e-2 relative over 10 steps: measured worst
+/// 9.6e-3 (2026-12-07, with the fused loss; 5.5e-3 before it), and the bound about 2× that
+/// (why this trajectory drifts further than the one without dropout was not studied).
 #[test]
 fn bf16_with_dropout_trains_like_fp32() {
     let dropout = ["--set", "model.dropout=0.1"];
@@ -147,7 +155,7 @@ fn bf16_with_dropout_trains_like_fp32() {
     assert_same_length(expected.len(), losses.len());
     let worst = nan_max((expected.iter().zip(&losses)).map(|(a, b)| (a - b).abs() / a.abs()));
     println!("bf16 with dropout: worst relative loss difference to fp32 {worst:e}");
-    assert_close_losses(&expected, &losses, 1e-2, "bf16 with dropout");
+    assert_close_losses(&expected, &losses, 2e-2, "bf16 with dropout");
 }
 
 /// GPT-2's GELU has finite gradients in fp16 down to very negative inputs (its exponent

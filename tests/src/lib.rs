@@ -1,9 +1,11 @@
 //! Helpers for wildfire's multi-rank tests: the `wildfire` binary and launched test binaries run
-//! as real processes with a hard timeout. (Ranks as threads: `wildfire_backend::comm::run_thread_ranks`.)
+//! as real processes with a hard timeout, none outliving its test ([`KillOnDrop`]). (Ranks as
+//! threads: `wildfire_backend::comm::run_thread_ranks`.)
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use wildfire_backend::comm::CommOptions;
@@ -57,15 +59,93 @@ impl Finished {
     }
 }
 
+/// A child process that cannot outlive its test: killed and reaped when the guard is dropped
+/// before the process finished (a test that panics while its job runs), and killed by the kernel
+/// when the thread that started it ends (`PR_SET_PDEATHSIG`), which the exit of the test process
+/// ends too. A launcher's ranks die with the launcher (it sets the same signal for them).
+#[derive(Debug)]
+pub struct KillOnDrop(Option<Child>);
+
+impl KillOnDrop {
+    /// Starts `command` under the guard.
+    pub fn spawn(command: &mut Command) -> std::io::Result<Self> {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: only async-signal-safe calls (prctl, getppid, raise) run between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have ended before the signal was set.
+                if libc::getppid() != parent {
+                    libc::raise(libc::SIGKILL);
+                }
+                Ok(())
+            })
+        };
+        command.spawn().map(|child| Self(Some(child)))
+    }
+
+    fn child(&mut self) -> &mut Child {
+        self.0
+            .as_mut()
+            .expect("the process, until it is waited for")
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
+    /// Its exit status if it has finished.
+    pub fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        self.child().try_wait()
+    }
+
+    /// Kills it now.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        self.child().kill()
+    }
+
+    /// Takes its piped output stream (see [`Child::stdout`]).
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child().stdout.take()
+    }
+
+    /// Takes its piped error stream.
+    pub fn take_stderr(&mut self) -> Option<std::process::ChildStderr> {
+        self.child().stderr.take()
+    }
+
+    /// Waits for it to finish and returns what it printed to piped streams; the guard has
+    /// nothing left to kill.
+    pub fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.0
+            .take()
+            .expect("not yet waited for")
+            .wait_with_output()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Runs a command; kills it and fails the test if it is not done within `limit`.
 pub fn run_with_limit(command: &mut Command, limit: Duration) -> Finished {
     let started = Instant::now();
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start command");
+    let mut child = KillOnDrop::spawn(
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .expect("start command");
     let drain = |mut pipe: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut text = String::new();
@@ -73,8 +153,8 @@ pub fn run_with_limit(command: &mut Command, limit: Duration) -> Finished {
             text
         })
     };
-    let out = drain(Box::new(child.stdout.take().expect("stdout")));
-    let err = drain(Box::new(child.stderr.take().expect("stderr")));
+    let out = drain(Box::new(child.take_stdout().expect("stdout")));
+    let err = drain(Box::new(child.take_stderr().expect("stderr")));
     loop {
         if let Some(status) = child.try_wait().expect("wait") {
             return Finished {
@@ -85,8 +165,7 @@ pub fn run_with_limit(command: &mut Command, limit: Duration) -> Finished {
             };
         }
         if started.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
+            drop(child);
             panic!(
                 "hard timeout: {command:?} still running after {limit:?}; output so far:\n{}\n{}",
                 out.join().unwrap_or_default(),
@@ -111,6 +190,27 @@ pub fn launch(n: usize, extra: &[&str], command: &[&str]) -> Command {
     .arg("--")
     .args(command);
     cmd
+}
+
+/// `wildfire launch` of `n` ranks, each running the ignored test `test` (its path in this test
+/// binary, e.g. `tcp::rank_of_an_attacked_job`) of the running test binary alone: the ranks of
+/// a job a test launches are `#[ignore]`d tests, which a normal run lists as ignored.
+pub fn launch_test_ranks(n: usize, test: &str) -> Command {
+    let binary = std::env::current_exe().expect("the test binary's path");
+    let binary = binary.to_str().expect("a UTF-8 path");
+    launch(
+        n,
+        &[],
+        &[binary, test, "--exact", "--ignored", "--test-threads=1"],
+    )
+}
+
+/// The variable `name`, which the test that launches this rank sets: a clear failure when the
+/// rank test runs on its own (`--ignored`) rather than under that test's `wildfire launch`.
+pub fn launched_var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: this is a rank of a job another test launches, not a test")
+    })
 }
 
 /// The per-rank reports `{report}.rank-{r}.json` of a finished run of `ranks` processes (its

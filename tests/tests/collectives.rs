@@ -48,7 +48,8 @@ fn all_reduce_of_rank_stamped_ones_in_two_groups_of_four() {
 }
 
 /// Every op, every dtype (f32, f16, bf16, i32, i64), sizes 0, 1, 7, n+1 and 4 MiB, on the world
-/// of 8 and on its halves, compared exactly with closed-form results.
+/// of 8 and on its halves, compared exactly with closed-form results; and the reductions of
+/// seeded non-integer f32 and bf16 values, bitwise the serial fold.
 #[test]
 fn every_op_is_exact_on_eight_threads() {
     let summaries = run_thread_ranks(8, options(120.0, false), LIMIT, |world| {
@@ -61,6 +62,8 @@ fn every_op_is_exact_on_eight_threads() {
             "rank {rank} ran only {} checks",
             summary.checks
         );
+        // Two groups (the world and a half) × 4 sizes × f32 and bf16 × sum, mean, reduce-scatter.
+        assert_eq!(summary.fold_checks, 48, "rank {rank}: fold checks");
     }
 }
 

@@ -9,7 +9,7 @@ use wildfire_backend::comm::{
     CommError, CommOptions, HostTensor, LaunchEnv, LaunchFlags, ProcessGroup, ReduceOp,
     TRANSPORT_ENV, run_thread_ranks,
 };
-use wildfire_tests::{free_port, launch, options, process_exists, run_with_limit};
+use wildfire_tests::{KillOnDrop, free_port, launch, options, process_exists, run_with_limit};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -357,4 +357,50 @@ fn shm_sigkilled_rank_is_named_by_the_others_and_leaves_no_segment() {
         .filter(|name| name.starts_with(&prefix))
         .collect();
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
+}
+
+/// A process under [`KillOnDrop`] does not outlive its test: dropping the guard (a test that
+/// panics unwinds it) kills and reaps it, and the end of the thread that started it kills it
+/// too (what the exit of the test process does to every such thread).
+#[test]
+fn a_guarded_process_dies_with_its_guard_and_with_its_thread() {
+    let sleeper = || {
+        let mut sleep = Command::new("sleep");
+        sleep.arg("60");
+        KillOnDrop::spawn(&mut sleep).expect("start sleep")
+    };
+    let guard = sleeper();
+    let pid = guard.id();
+    assert!(process_exists(pid), "sleep {pid} started");
+    drop(guard);
+    assert!(!process_exists(pid), "sleep {pid} outlived its guard");
+
+    let pid = std::thread::spawn(move || {
+        let guard = sleeper();
+        let pid = guard.id();
+        // As if the thread ended without unwinding the guard.
+        std::mem::forget(guard);
+        pid
+    })
+    .join()
+    .unwrap();
+    let started = Instant::now();
+    // Killed, it is a zombie until reaped: state `Z` in /proc/PID/stat.
+    let state = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().next())
+            .map(str::to_owned)
+    };
+    while state().as_deref() != Some("Z") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "sleep {pid} outlived the thread that started it (state {:?})",
+            state()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: waitpid on our own child, which has exited.
+    unsafe { libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0) };
 }

@@ -23,11 +23,16 @@ use wildfire_parallel::pp::ScheduleKind;
 use wildfire_parallel::tp::apply_plan;
 use wildfire_parallel::{Mesh, ParallelDims};
 use wildfire_tests::{
-    example_loop_run, launch, options, rank_reports, relative_difference, run_with_limit, widened,
+    example_loop_run, launch_test_ranks, launched_var, options, rank_reports, relative_difference,
+    run_with_limit, widened,
 };
 
 type B = Autodiff<Parallel<Flex>>;
 const LIMIT: Duration = Duration::from_secs(300);
+/// Against the uninterrupted run, relative to the largest value. Measured (2026-12-07, AVX-512
+/// Xeon): parameters 4.5e-7 apart at worst after 10 steps, losses 0 after the resume at tp 1 and
+/// tp 2 × pp 2; the bound is about 22× the worst, as the tensor-parallel example's. Restarting
+/// without the moments moves the losses by 1.3e-2, far past it.
 const TOLERANCE: f64 = 1e-5;
 /// Steps before the checkpoint, and in all.
 const SAVED_AT: usize = 5;
@@ -55,16 +60,16 @@ fn solo() -> ProcessGroup {
 
 /// Under `wildfire launch` (`WILDFIRE_RESUME_EXAMPLE` set to `save` or `resume`): one rank of
 /// the tp 2 run that saves at step 5, or of the tp 2 × pp 2 run that resumes from it, which
-/// writes its [`Outcome`]. Run alone, it does nothing.
+/// writes its [`Outcome`].
 #[test]
+#[ignore = "a rank of the jobs run_processes launches"]
 fn example_rank_under_launch() {
-    let (Ok(role), Ok(dir), Ok(report)) = (
-        std::env::var("WILDFIRE_RESUME_EXAMPLE"),
-        std::env::var("WILDFIRE_RESUME_EXAMPLE_DIR"),
-        std::env::var("WILDFIRE_RESUME_EXAMPLE_REPORT"),
-    ) else {
-        return;
-    };
+    let [role, dir, report] = [
+        "WILDFIRE_RESUME_EXAMPLE",
+        "WILDFIRE_RESUME_EXAMPLE_DIR",
+        "WILDFIRE_RESUME_EXAMPLE_REPORT",
+    ]
+    .map(launched_var);
     let dir = PathBuf::from(dir);
     let pp = if role == "save" { 1 } else { 2 };
     let mesh = Mesh::from_env(ParallelDims {
@@ -94,17 +99,7 @@ fn example_rank_under_launch() {
 /// The outcomes of `ranks` processes in `role`, their checkpoints in `dir`.
 fn run_processes(role: &str, ranks: usize, dir: &Path) -> Vec<Outcome> {
     let report = dir.with_extension(format!("{role}.report"));
-    let test_binary = std::env::current_exe().unwrap();
-    let mut command = launch(
-        ranks,
-        &[],
-        &[
-            test_binary.to_str().unwrap(),
-            "resume_example::example_rank_under_launch",
-            "--exact",
-            "--test-threads=1",
-        ],
-    );
+    let mut command = launch_test_ranks(ranks, "resume_example::example_rank_under_launch");
     command
         .env("WILDFIRE_RESUME_EXAMPLE", role)
         .env("WILDFIRE_RESUME_EXAMPLE_DIR", dir)

@@ -24,12 +24,16 @@ use wildfire_examples::tensor_parallel::{self, TP_PLAN, build, plan};
 use wildfire_parallel::tp::{PlanError, SequencePartial, TpPlan, TpStyle, apply_plan, check_plan};
 use wildfire_parallel::{Mesh, ParallelDims};
 use wildfire_tests::{
-    example_loop_run as run, launch, options, rank_reports, relative_difference, run_with_limit,
-    widened,
+    example_loop_run as run, launch_test_ranks, launched_var, options, rank_reports,
+    relative_difference, run_with_limit, widened,
 };
 
 type B = Autodiff<Parallel<Flex>>;
 const LIMIT: Duration = Duration::from_secs(300);
+/// Logits, gradients, losses and parameters against the serial model, relative to the largest
+/// value. Measured (2026-12-07, AVX-512 Xeon): logits 7.5e-8, gradients 3.1e-8, losses 8.4e-8,
+/// parameters after 10 steps 4.2e-7 apart at worst; the bound is about 24× the worst, the margin
+/// for AdamW's amplification of rounding in small gradients (see recipes' `tensor_parallel`).
 const TOLERANCE: f64 = 1e-5;
 
 /// A group of one rank: the model unsplit.
@@ -100,12 +104,11 @@ fn first_step(sp: bool, group: &ProcessGroup) -> (Vec<f32>, Vec<f32>, [[u64; 3];
 }
 
 /// Under `wildfire launch` (`WILDFIRE_TP_EXAMPLE_REPORT` set): one rank of a 2-process
-/// tensor-parallel run, which writes its [`RankReport`]. Run alone, it does nothing.
+/// tensor-parallel run, which writes its [`RankReport`].
 #[test]
+#[ignore = "a rank of the jobs run_processes launches"]
 fn example_rank_under_launch() {
-    let Ok(report) = std::env::var("WILDFIRE_TP_EXAMPLE_REPORT") else {
-        return;
-    };
+    let report = launched_var("WILDFIRE_TP_EXAMPLE_REPORT");
     let sequence_parallel = std::env::var("WILDFIRE_TP_EXAMPLE_SP").is_ok_and(|v| v == "1");
     let dims = ParallelDims {
         tp: 2,
@@ -131,17 +134,7 @@ fn example_rank_under_launch() {
 /// registry is per process, and its collectives run inside forwards and backwards).
 fn run_processes(sequence_parallel: bool, dir: &Path) -> Vec<RankReport> {
     let report = dir.join(format!("tp-sp{}.report", u8::from(sequence_parallel)));
-    let test_binary = std::env::current_exe().unwrap();
-    let mut command = launch(
-        2,
-        &[],
-        &[
-            test_binary.to_str().unwrap(),
-            "tensor_parallel_example::example_rank_under_launch",
-            "--exact",
-            "--test-threads=1",
-        ],
-    );
+    let mut command = launch_test_ranks(2, "tensor_parallel_example::example_rank_under_launch");
     command.env("WILDFIRE_TP_EXAMPLE_REPORT", &report).env(
         "WILDFIRE_TP_EXAMPLE_SP",
         u8::from(sequence_parallel).to_string(),

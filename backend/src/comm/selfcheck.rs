@@ -7,11 +7,22 @@
 //! hold exactly: results are compared with `==`, no tolerance. Checks run on the world and on
 //! each half of it, in f32, f16, bf16, i32 and i64, for sizes 0, 1, 7, n+1 (not divisible by
 //! the group size n) and 4 MiB, along dimension 0 and, for the dimension-aware ops, dimension 1.
+//!
+//! Small integers add to the same bits in every order, so they cannot tell a transport that
+//! folds in rank order from one that does not. The fold checks therefore also all-reduce (sum
+//! and mean) and reduce-scatter seeded non-integer f32 and bf16 values of many magnitudes, and
+//! compare the bits with the serial fold `((x₀ + x₁) + x₂) + …` in f32, written out here,
+//! then divided by n for a mean and rounded once to the dtype. They run through the host
+//! collectives, the path of every host transport (threads, shared memory, tcp); NCCL, which
+//! reduces in its own order, is not what they check.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, DType, Element, Float, Int, Tensor, TensorData};
 
-use super::element::ReduceOp;
+use burn::tensor::bf16;
+
+use super::algorithms::HostTensor;
+use super::element::{CommElem, ReduceOp};
 use super::group::ProcessGroup;
 use super::layout::split_ranges;
 use crate::host_data::aligned;
@@ -21,6 +32,9 @@ use crate::host_data::aligned;
 pub struct CheckSummary {
     /// Collective calls whose result was compared element by element.
     pub checks: usize,
+    /// Of those, the fold checks: seeded non-integer values compared bit for bit with the
+    /// serial fold.
+    pub fold_checks: usize,
     /// Checks that could not run exactly, and why (e.g. a mean over a group whose size is not a
     /// power of two has no exact binary result).
     pub skipped: Vec<String>,
@@ -71,8 +85,174 @@ pub fn run<B: Backend>(
                 }
             }
         }
+        let mut sizes = vec![1, group.size() + 1, FOLD_SIZE];
+        if large {
+            sizes.push(LARGE_BYTES / 4);
+        }
+        for size in sizes {
+            check_folds::<f32>(group, size, &mut summary)?;
+            check_folds::<bf16>(group, size, &mut summary)?;
+        }
     }
     Ok(summary)
+}
+
+/// A middle size of the fold checks: several of the folds' blocks, and not a multiple of any
+/// group size up to 8.
+const FOLD_SIZE: usize = 3001;
+
+/// Global rank `g`'s value at flat index `i` in the fold checks: a seeded uniform draw in
+/// (−1, 1) times 2^e, e in −12..=12. The 25 binades are more than f32's 24 bits hold beside
+/// bf16's 8, so sums of a few values round in f32 too, differently by order.
+fn fold_value(g: usize, i: usize) -> f32 {
+    // SplitMix64 of (rank, index).
+    let mut z = ((g as u64) << 40 ^ i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let unit = (z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+    let exponent = (z & 0x1F) as i32 % 25 - 12;
+    unit * 2f32.powi(exponent)
+}
+
+/// An element type of the fold checks: built from an f32 draw (rounded once) and back.
+trait FoldElem: CommElem + Copy {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    fn bits(self) -> u32;
+}
+
+impl FoldElem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+impl FoldElem for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn bits(self) -> u32 {
+        u32::from(self.to_bits())
+    }
+}
+
+/// Global rank `g`'s input of `size` elements in the fold checks.
+fn fold_input<E: FoldElem>(g: usize, size: usize) -> Vec<E> {
+    (0..size).map(|i| E::from_f32(fold_value(g, i))).collect()
+}
+
+/// The serial fold of `inputs` (in order) at every index: summed left to right in f32, divided
+/// by the count for a mean, rounded once to `E`; with `round_each_sum`, every partial sum is
+/// rounded to `E` as well (a fold in `E`'s own arithmetic, which the transports must not do).
+fn serial_fold<E: FoldElem>(inputs: &[Vec<E>], op: ReduceOp, round_each_sum: bool) -> Vec<E> {
+    let size = inputs.first().map_or(0, Vec::len);
+    (0..size)
+        .map(|i| {
+            let mut sum = inputs[0][i].to_f32();
+            for input in &inputs[1..] {
+                sum += input[i].to_f32();
+                if round_each_sum {
+                    sum = E::from_f32(sum).to_f32();
+                }
+            }
+            if op == ReduceOp::Mean {
+                sum /= inputs.len() as f32;
+            }
+            E::from_f32(sum)
+        })
+        .collect()
+}
+
+/// All-reduce (sum and mean) and reduce-scatter (sum) of seeded non-integer values of dtype `E`
+/// on `group`, compared bit for bit with [`serial_fold`]. Where three or more ranks take part
+/// and there are many elements, it also proves the values tell the serial fold from another:
+/// the reverse fold (which differs in f32) or the fold that rounds every partial sum (which
+/// differs in bf16, whose single rounding at the end hides the order of f32 sums) gives other
+/// bits somewhere.
+fn check_folds<E: FoldElem>(
+    group: &ProcessGroup,
+    size: usize,
+    summary: &mut CheckSummary,
+) -> Result<(), String> {
+    let inputs: Vec<Vec<E>> = group
+        .global_ranks()
+        .iter()
+        .map(|&g| fold_input::<E>(g, size))
+        .collect();
+    let mine = || HostTensor::new(inputs[group.rank()].clone(), vec![size, 1]);
+    let context = |what: &str| {
+        format!(
+            "fold check: {what} of seeded {:?} values on {} (rank {}), size {size}",
+            E::DTYPE,
+            group.describe(),
+            group.global_rank()
+        )
+    };
+    let compare = |what: &str, got: &[E], want: &[E]| -> Result<(), String> {
+        if got.len() != want.len() {
+            return Err(format!(
+                "{}: {} elements, expected {}",
+                context(what),
+                got.len(),
+                want.len()
+            ));
+        }
+        match got.iter().zip(want).position(|(a, b)| a.bits() != b.bits()) {
+            None => Ok(()),
+            Some(i) => Err(format!(
+                "{}: element {i} is {} (bits {:#x}), the serial fold gives {} (bits {:#x})",
+                context(what),
+                got[i].to_f32(),
+                got[i].bits(),
+                want[i].to_f32(),
+                want[i].bits()
+            )),
+        }
+    };
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let what = format!("all_reduce {op:?}");
+        let want = serial_fold(&inputs, op, false);
+        let got = group
+            .all_reduce_host(mine(), op)
+            .map_err(|e| format!("{}: {e}", context(&what)))?;
+        compare(&what, &got.data, &want)?;
+        summary.checks += 1;
+        summary.fold_checks += 1;
+    }
+    let sum = serial_fold(&inputs, ReduceOp::Sum, false);
+    let part = split_ranges(size, group.size())[group.rank()].clone();
+    let got = group
+        .reduce_scatter_host(mine(), 0, ReduceOp::Sum)
+        .map_err(|e| format!("{}: {e}", context("reduce_scatter Sum")))?;
+    compare("reduce_scatter Sum", &got.data, &sum[part])?;
+    summary.checks += 1;
+    summary.fold_checks += 1;
+
+    if group.size() >= 3 && size >= FOLD_SIZE {
+        let reversed: Vec<Vec<E>> = inputs.iter().rev().cloned().collect();
+        let others = [
+            serial_fold(&reversed, ReduceOp::Sum, false),
+            serial_fold(&inputs, ReduceOp::Sum, true),
+        ];
+        let same = |other: &Vec<E>| other.iter().zip(&sum).all(|(a, b)| a.bits() == b.bits());
+        if others.iter().all(same) {
+            return Err(context(
+                "the reverse fold and the fold rounding every sum give the serial fold's bits: \
+                 the values tell no fold from another",
+            ));
+        }
+    }
+    Ok(())
 }
 
 struct Ctx<'a, B: Backend> {

@@ -20,26 +20,47 @@ pub trait KernelBackend: Backend<FloatTensorPrimitive = CubeTensor<Self::Runtime
     /// The unit roundoff of what an f32 matmul may round its inputs to: TF32's 2⁻¹¹ where
     /// Burn's matmul may use TF32 tensor cores (CUDA), 0 elsewhere.
     const F32_MATMUL_INPUT_ROUNDOFF: f64;
+    /// The variable that makes a missing device a failure rather than a skip ([`probe::for_test`]).
+    const REQUIRE_ENV: &'static str;
+    /// The dtypes whose arithmetic the device must have where [`Self::REQUIRE_ENV`] is set: a
+    /// missing one fails [`has_dtype`] there instead of skipping.
+    const REQUIRED_DTYPES: &'static [DType];
     /// The device, or `None` (printed as a skip) when there is none; see [`probe::for_test`].
-    fn test_device() -> Option<Self::Device>;
+    fn test_device() -> Option<Self::Device> {
+        probe::for_test(Self::probe(), Self::REQUIRE_ENV)
+    }
+    /// The device, or why there is none.
+    fn probe() -> Result<Self::Device, String>;
 }
 
-/// `.ci/run` sets `WILDFIRE_REQUIRE_WGPU=1`: CI has lavapipe, so a missing adapter fails.
+/// Whether [`KernelBackend::REQUIRE_ENV`] is set to 1 for `B`.
+fn required<B: KernelBackend>() -> bool {
+    std::env::var(B::REQUIRE_ENV).is_ok_and(|v| v == "1")
+}
+
+/// `.ci/run` sets `WILDFIRE_REQUIRE_WGPU=1`: CI has lavapipe, so a missing adapter fails, and so
+/// does one without f16 (lavapipe has it; WGSL has no bf16, so bf16 is skipped on every wgpu
+/// device).
 impl KernelBackend for Wgpu {
     type Runtime = cubecl::wgpu::WgpuRuntime;
     const F32_MATMUL_INPUT_ROUNDOFF: f64 = 0.0;
-    fn test_device() -> Option<Self::Device> {
-        probe::for_test(probe::wgpu(), "WILDFIRE_REQUIRE_WGPU")
+    const REQUIRE_ENV: &'static str = "WILDFIRE_REQUIRE_WGPU";
+    const REQUIRED_DTYPES: &'static [DType] = &[DType::F32, DType::F16];
+    fn probe() -> Result<Self::Device, String> {
+        probe::wgpu()
     }
 }
 
-/// `scripts/gpu-check.sh` sets `WILDFIRE_REQUIRE_CUDA=1`: it has seen the GPU first.
+/// `scripts/gpu-check.sh` sets `WILDFIRE_REQUIRE_CUDA=1`: it has seen the GPU first (an H100 or
+/// H200, which compute in f16 and bf16).
 #[cfg(feature = "cuda")]
 impl KernelBackend for burn::backend::Cuda {
     type Runtime = cubecl::cuda::CudaRuntime;
     const F32_MATMUL_INPUT_ROUNDOFF: f64 = 1.0 / 2048.0;
-    fn test_device() -> Option<Self::Device> {
-        probe::for_test(probe::cuda(), "WILDFIRE_REQUIRE_CUDA")
+    const REQUIRE_ENV: &'static str = "WILDFIRE_REQUIRE_CUDA";
+    const REQUIRED_DTYPES: &'static [DType] = &[DType::F32, DType::F16, DType::BF16];
+    fn probe() -> Result<Self::Device, String> {
+        probe::cuda()
     }
 }
 
@@ -53,11 +74,19 @@ macro_rules! on_kernel_backends {
     }};
 }
 
-/// Whether `device` computes in `dtype`; prints a skip when it does not.
-pub fn has_dtype<B: Backend>(device: &B::Device, dtype: DType) -> bool {
+/// Whether `device` computes in `dtype`; prints a skip when it does not, and fails instead where
+/// the backend's tests are required and `dtype` is one of its
+/// [`REQUIRED_DTYPES`](KernelBackend::REQUIRED_DTYPES).
+pub fn has_dtype<B: KernelBackend>(device: &B::Device, dtype: DType) -> bool {
     let has = B::supports_dtype(device, dtype);
     if !has {
-        eprintln!("skipped: {} has no {dtype:?} arithmetic", B::name(device));
+        let missing = format!("{} has no {dtype:?} arithmetic", B::name(device));
+        assert!(
+            !(required::<B>() && B::REQUIRED_DTYPES.contains(&dtype)),
+            "{}=1 but {missing}",
+            B::REQUIRE_ENV
+        );
+        eprintln!("skipped: {missing}");
     }
     has
 }

@@ -3,9 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use wildfire_backend::compare::{assert_same_length, nan_max, within};
+pub use wildfire_tests::KillOnDrop;
 
 use burn::tensor::TensorData;
 use serde_json::Value;
@@ -110,7 +111,7 @@ pub fn assert_learns_the_corpus(losses: &[f64]) {
 }
 
 /// Runs `command` to completion or kills it at `limit`; returns its output.
-pub fn finish(mut child: Child, limit: Duration) -> Output {
+pub fn finish(mut child: KillOnDrop, limit: Duration) -> Output {
     let started = Instant::now();
     while child.try_wait().expect("wait").is_none() {
         if started.elapsed() > limit {
@@ -127,19 +128,45 @@ pub fn finish(mut child: Child, limit: Duration) -> Output {
     child.wait_with_output().expect("output")
 }
 
-pub fn spawn(program: &str, args: &[String]) -> Child {
+/// `wildfire` with `args`, killed at [`LIMIT`]: its output, whether it succeeded or not.
+pub fn wildfire_output(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    finish(spawn(env!("CARGO_BIN_EXE_wildfire"), &args), LIMIT)
+}
+
+/// `wildfire export --format hf-safetensors` of the run in `dir` to `out`, in files of at most
+/// `max_shard` (the command's default when `None`); the export must succeed.
+pub fn export_hf(dir: &Path, out: &Path, max_shard: Option<&str>) {
+    let mut args = vec![
+        "export",
+        "--format",
+        "hf-safetensors",
+        "--checkpoint",
+        dir.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    if let Some(max_shard) = max_shard {
+        args.extend(["--max-shard-size", max_shard]);
+    }
+    let result = wildfire_output(&args);
+    assert!(result.status.success(), "{args:?}:\n{}", text(&result));
+}
+
+/// Starts `program` with `args`, its output piped, under a [`KillOnDrop`] guard.
+pub fn spawn(program: &str, args: &[String]) -> KillOnDrop {
     spawn_with_env(program, args, &[])
 }
 
 /// [`spawn`] with `vars` added to the child's environment.
-pub fn spawn_with_env(program: &str, args: &[String], vars: &[(&str, &str)]) -> Child {
-    Command::new(program)
-        .args(args)
-        .envs(vars.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn")
+pub fn spawn_with_env(program: &str, args: &[String], vars: &[(&str, &str)]) -> KillOnDrop {
+    spawn_command(Command::new(program).args(args).envs(vars.iter().copied()))
+}
+
+/// Starts `command` with its output piped, under a [`KillOnDrop`] guard.
+pub fn spawn_command(command: &mut Command) -> KillOnDrop {
+    KillOnDrop::spawn(command.stdout(Stdio::piped()).stderr(Stdio::piped()))
+        .unwrap_or_else(|e| panic!("start {command:?}: {e}"))
 }
 
 pub fn text(out: &Output) -> String {
@@ -547,13 +574,11 @@ pub fn assert_killed_rank_fails_the_job(
 ) {
     let mut args = launch_args(ranks, port);
     args.extend(train_args);
-    let mut command = Command::new(env!("CARGO_BIN_EXE_wildfire"));
-    command
-        .args(&args)
-        .env("WILDFIRE_COMM_TIMEOUT", "60")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let launcher = command.spawn().expect("launch");
+    let launcher = spawn_with_env(
+        env!("CARGO_BIN_EXE_wildfire"),
+        &args,
+        &[("WILDFIRE_COMM_TIMEOUT", "60")],
+    );
     let started = Instant::now();
     while records_if_any(dir) < 2 {
         assert!(started.elapsed() < LIMIT, "no progress");
@@ -585,27 +610,103 @@ pub fn records_if_any(dir: &Path) -> usize {
         .unwrap_or(0)
 }
 
-pub fn python(script: &str, args: &[&str]) -> Option<Output> {
+/// The exit status of tests/python's checks when a module they need is missing: 77, the
+/// "skipped" status of automake's test harness (Python itself exits 2 for a missing script or
+/// bad arguments, which must fail the test).
+const PYTHON_MODULE_MISSING: i32 = 77;
+
+/// Runs tests/python/`script` with `args` (killed at [`LIMIT`]): its output, or why it cannot run
+/// here (no python3, or a module the script needs is missing).
+fn run_python(script: &str, args: &[&str]) -> Result<Output, String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/python")
         .join(script);
-    let out = Command::new("python3").arg(path).args(args).output();
-    let missing = match out {
-        Ok(out) if out.status.code() == Some(2) => {
-            String::from_utf8_lossy(&out.stderr).into_owned()
-        }
+    let child = KillOnDrop::spawn(
+        Command::new("python3")
+            .arg(path)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .map_err(|e| format!("python3 is not runnable ({e})"))?;
+    let out = finish(child, LIMIT);
+    match out.status.code() {
+        Some(PYTHON_MODULE_MISSING) => Err(String::from_utf8_lossy(&out.stderr).trim().to_owned()),
+        _ => Ok(out),
+    }
+}
+
+/// [`run_python`] for a check a test does where it can: `None`, printed as a skip, when it cannot
+/// run here, unless `WILDFIRE_REQUIRE_PYTHON_CHECKS` (comma-separated script names) names the
+/// script; then that fails the test.
+pub fn python(script: &str, args: &[&str]) -> Option<Output> {
+    let missing = match run_python(script, args) {
         Ok(out) => return Some(out),
-        Err(e) => format!("python3 is not runnable ({e})"),
+        Err(missing) => missing,
     };
     // CI installs TensorBoard and sets this, so there a missing reader fails instead of skipping.
     let required = std::env::var("WILDFIRE_REQUIRE_PYTHON_CHECKS").unwrap_or_default();
     assert!(
         !required.split(',').any(|s| s == script),
-        "{script} is required here: {}",
-        missing.trim()
+        "{script} is required here: {missing}"
     );
-    println!("skipped: {script}: {}", missing.trim());
+    println!("skipped: {script}: {missing}");
     None
+}
+
+/// [`run_python`] for the check a test exists for (the `#[ignore]`d comparisons with
+/// transformers, which run only when asked for): that it cannot run fails the test.
+pub fn python_required(script: &str, args: &[&str]) -> Output {
+    run_python(script, args).unwrap_or_else(|missing| panic!("{script} cannot run: {missing}"))
+}
+
+/// Hugging Face transformers loads `export` (exported from the checkpoint in `checkpoint`) and
+/// computes our logits of `prompt` at every position, within 1e-4 (the two sum in different
+/// orders), and continues it greedily by `new` tokens as we do, token for token.
+pub fn assert_transformers_computes_ours(
+    checkpoint: &Path,
+    export: &Path,
+    prompt: &[u32],
+    new: usize,
+) {
+    use burn::tensor::{Int, Tensor};
+    use wildfire_recipes::generate::{Sampling, continue_tokens, load_model};
+
+    let mut args = vec![export.to_str().unwrap().to_string(), new.to_string()];
+    args.extend(prompt.iter().map(u32::to_string));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let check = python_required("check_hf_export.py", &args);
+    assert!(check.status.success(), "transformers:\n{}", text(&check));
+    let theirs: Value = serde_json::from_slice(&check.stdout).expect("logits JSON");
+    let logits: Vec<Vec<f64>> = serde_json::from_value(theirs["logits"].clone()).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(theirs["greedy"].clone()).unwrap();
+
+    let device = Default::default();
+    let (model, _, config) =
+        load_model::<wildfire_recipes::CpuBackend>(checkpoint, &device).unwrap();
+    let ids: Vec<i64> = prompt.iter().map(|&t| i64::from(t)).collect();
+    let input = TensorData::new(ids, [1, prompt.len()]);
+    let input = Tensor::<wildfire_recipes::CpuBackend, 2, Int>::from_data(input, &device);
+    let ours: Vec<f32> = model.forward(input).into_data().to_vec().unwrap();
+    let ours: Vec<f64> = ours.iter().map(|&x| f64::from(x)).collect();
+    let theirs: Vec<f64> = logits.concat();
+    let worst = wildfire_backend::compare::max_abs_difference(&theirs, &ours);
+    println!("logits against transformers: worst difference {worst:e}");
+    assert!(worst < 1e-4, "logits {worst:e} apart");
+    let sampling = Sampling {
+        max_new_tokens: new,
+        temperature: 0.0,
+        top_k: None,
+        seed: 0,
+        kv_cache: true,
+    };
+    let vocab = logits[0].len();
+    let continued = continue_tokens(&model, prompt.to_vec(), &sampling, config.context, vocab);
+    assert_eq!(
+        continued.unwrap()[prompt.len()..],
+        greedy,
+        "greedy continuation"
+    );
 }
 
 /// Llama 3's pre-tokenisation pattern (its tokenizer.json's `Split` pre-tokenizer).

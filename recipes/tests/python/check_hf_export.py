@@ -1,20 +1,24 @@
 """Loads an exported directory with Hugging Face transformers (AutoModelForCausalLM: GPT-2 or
 Llama, in f32) and prints, as one JSON object, the logits of the token ids given on the command
 line ("logits", one row per position) and the greedy continuation of those ids by NEW tokens
-("greedy", the new ids only). Exits 2 when transformers or torch is missing (the caller reports
-the check as skipped).
+("greedy", the new ids only). Exits 77 when transformers or torch is missing (the caller
+decides whether that skips the check or fails it).
 
 usage: python3 check_hf_export.py EXPORT_DIR NEW ID [ID ...]
 """
 import json
 import sys
 
+# The exit status for a missing module: 77, the "skipped" status of automake's test harness.
+# Python itself exits 2 for a missing script or bad arguments, which must fail the caller.
+MODULE_MISSING = 77
+
 try:
     import torch
     from transformers import AutoModelForCausalLM
 except ImportError as missing:
     print(f"{missing} (pip install torch transformers)", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(MODULE_MISSING)
 
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 new = int(sys.argv[2])

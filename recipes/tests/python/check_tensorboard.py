@@ -1,7 +1,8 @@
 """Reads a wildfire run directory with TensorBoard's own reader (EventAccumulator) and checks it
 against metrics.jsonl: every training step's loss, lr and grad norm, the validation losses, and
-the config text. Exits 0 when everything matches, 1 with the differences otherwise, and 2 when
-the tensorboard package is missing (the caller reports the check as skipped).
+the config text. Exits 0 when everything matches, 1 with the differences otherwise, and 77 when
+the tensorboard package is missing (the caller decides whether that skips the check or
+fails it).
 
 usage: python3 check_tensorboard.py RUN_DIR
 """
@@ -9,11 +10,15 @@ import json
 import struct
 import sys
 
+# The exit status for a missing module: 77, the "skipped" status of automake's test harness.
+# Python itself exits 2 for a missing script or bad arguments, which must fail the caller.
+MODULE_MISSING = 77
+
 try:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 except ImportError:
     print("tensorboard is not installed (pip install tensorboard)", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(MODULE_MISSING)
 
 
 def as_f32(x):
