@@ -35,5 +35,5 @@ mod walk;
 pub use apply::{apply_plan, check_plan};
 pub use grads::SequencePartial;
 pub use layers::{ParallelEmbedding, ParallelLinear, vocab_parallel_cross_entropy};
-pub use plan::{PlanError, TensorBox, TpPlan, TpStyle};
+pub use plan::{PlanError, TensorBox, TpPlan, TpStyle, vocabulary_share};
 pub use slot::{ActivationPart, TensorParallel};

@@ -424,6 +424,13 @@ struct Cut {
     parts: usize,
 }
 
+/// The ids of a vocabulary of `vocab` tokens that rank `rank` of `size` holds when a plan splits
+/// it (an embedding's rows, a head's columns, the loss's logits): consecutive ids, the first
+/// `vocab mod size` ranks holding one more, so that the vocabulary need not divide (no padding).
+pub fn vocabulary_share(vocab: usize, rank: usize, size: usize) -> Range<usize> {
+    split_ranges(vocab, size)[rank].clone()
+}
+
 /// What rank `rank` of `size` holds of a dimension of `len` entries cut into `sections` equal
 /// sections (3 for a fused QKV projection, 1 otherwise): its part (`split_ranges`) of each.
 pub(crate) fn section_parts(

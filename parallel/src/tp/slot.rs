@@ -18,12 +18,12 @@ use wildfire_backend::collective::{
     CollectiveBackend, all_gather_from_sequence_region, copy_to_parallel_region,
     gather_from_parallel_region, scatter_to_parallel_region,
 };
-use wildfire_backend::comm::{CommError, ProcessGroup, split_ranges};
+use wildfire_backend::comm::{CommError, ProcessGroup};
 use wildfire_backend::kernels::cross_entropy::{
     FusedCrossEntropyBackend, HeadLayout, LinearCrossEntropy,
 };
 
-use super::plan::TpStyle;
+use super::plan::{TpStyle, vocabulary_share};
 use super::walk::{self, Applied, Layer};
 
 /// A collective inside a layer's forward. The forward has no error path (Burn's modules return
@@ -171,7 +171,7 @@ impl<B: FusedCrossEntropyBackend> TensorParallel<B> {
     /// (`wildfire_backend::kernels::cross_entropy`): a one-element f32 tensor, the same on every
     /// rank. Under a plan `x` enters the tensor-parallel region as
     /// [`Self::enter_parallel_region`] says, and `weight` is this rank's part of a vocabulary of
-    /// `vocab` tokens split as the plan splits one (`split_ranges`).
+    /// `vocab` tokens split as the plan splits one ([`vocabulary_share`]).
     ///
     /// # Panics
     /// When the shapes disagree (see `LinearCrossEntropy::loss_sum`).
@@ -185,7 +185,7 @@ impl<B: FusedCrossEntropyBackend> TensorParallel<B> {
     ) -> Tensor<B, 1> {
         let loss = match self.group() {
             Some(group) => {
-                let part = &split_ranges(vocab, group.size())[group.rank()];
+                let part = vocabulary_share(vocab, group.rank(), group.size());
                 loss.clone().with_vocab_shard(group, part.start)
             }
             None => loss.clone(),

@@ -7,9 +7,9 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::Range;
 
-use wildfire_backend::comm::{ProcessGroup, split_ranges};
+use wildfire_backend::comm::ProcessGroup;
 
-use super::plan::{TpPlan, TpStyle};
+use super::plan::{TpPlan, TpStyle, vocabulary_share};
 use crate::paths::PathStack;
 
 /// What holds a [`TensorParallel`](super::TensorParallel): a layer a plan may split, or a model that reads its
@@ -131,5 +131,5 @@ pub(crate) fn vocabulary_part(
         TpStyle::VocabColumns => dims[1],
         _ => return None,
     };
-    Some(split_ranges(vocab, size)[rank].clone())
+    Some(vocabulary_share(vocab, rank, size))
 }

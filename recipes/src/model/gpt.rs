@@ -19,7 +19,7 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Distribution, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use wildfire_backend::DecoratedBackend;
-use wildfire_backend::comm::{CommError, split_ranges};
+use wildfire_backend::comm::CommError;
 use wildfire_backend::kernels::attention::{fused_attention, fused_qkv_attention, unpack};
 use wildfire_backend::kernels::bias_gelu::bias_gelu;
 use wildfire_backend::kernels::choice::{FusedOp, FusedOps};
@@ -34,7 +34,7 @@ use wildfire_backend::kernels::swiglu::swiglu;
 use wildfire_parallel::precision::{Precision, in_dtype, in_fp32};
 use wildfire_parallel::tp::{
     ActivationPart, ParallelEmbedding, ParallelLinear, TensorParallel, TpStyle,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy, vocabulary_share,
 };
 
 use super::rope::Rotary;
@@ -312,7 +312,7 @@ pub struct Gpt<B: Backend> {
     /// Under tensor parallelism, the group and whether the residual stream is split along the
     /// sequence (filled in by the plan).
     pub tp: TensorParallel<B>,
-    /// The vocabulary size, whose rows tensor-parallel ranks split (`split_ranges`).
+    /// The vocabulary size, whose rows tensor-parallel ranks split ([`vocabulary_share`]).
     #[module(skip)]
     pub vocab: usize,
     /// The type the residual stream and the matmuls compute in (the parameters stay fp32; see
@@ -888,7 +888,7 @@ impl<B: DecoratedBackend> Gpt<B> {
         match self.tp.group() {
             None => cross_entropy_sum(logits, targets).0,
             Some(group) => {
-                let rows = &split_ranges(self.vocab, group.size())[group.rank()];
+                let rows = vocabulary_share(self.vocab, group.rank(), group.size());
                 collective(vocab_parallel_cross_entropy(
                     logits,
                     targets,
