@@ -13,7 +13,7 @@ use wildfire_recipes::config::{ActivationCheckpointing, RunConfig};
 
 use crate::alloc::HEAP;
 use crate::dp::train_records;
-use crate::{median, mib};
+use crate::{median, mib, print_json_lines};
 
 #[derive(Debug, Args)]
 pub struct ActivationArgs {
@@ -80,10 +80,7 @@ pub fn run(args: ActivationArgs) -> anyhow::Result<()> {
         }
     }
     if args.json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(&rows);
     }
     println!(
         "| preset | context × micro-batch | mode | forward+backward peak | × none | run peak | step | × none |\n|---|---|---|---|---|---|---|---|"

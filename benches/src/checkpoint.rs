@@ -17,6 +17,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::dp::RecipeRun;
+use crate::print_json_lines;
 
 #[derive(Debug, Args)]
 pub struct CheckpointArgs {
@@ -88,10 +89,7 @@ pub fn run(args: CheckpointArgs) -> anyhow::Result<()> {
         rows.extend(measure(layout, &args)?);
     }
     if args.json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(&rows);
     }
     println!(
         "| layout | saves | wall ({} steps) | median step | cost of one save |",

@@ -5,7 +5,7 @@
 //! all-reduce. Every configuration runs in its own process (the thread pool is sized once per
 //! process), through [`RecipeRun`], which the `tp` benchmark shares.
 
-use crate::median;
+use crate::{median, print_json_lines};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use wildfire_recipes::CpuBackend;
@@ -183,10 +183,7 @@ pub fn run(args: DpArgs) -> anyhow::Result<()> {
         });
     }
     if args.json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(&rows);
     }
     println!(
         "| layout | tokens/s | step | all-reduce share | efficiency vs dp 1 on 1 core |\n|---|---|---|---|---|"

@@ -25,7 +25,7 @@ use wildfire_recipes::model::rope::Rotary;
 use wildfire_recipes::model::{Norm, Preset, gated_silu};
 
 use crate::alloc::HEAP;
-use crate::{alternating, mib};
+use crate::{alternating, mib, print_json_lines};
 
 type A = Autodiff<Parallel<Flex>>;
 
@@ -152,10 +152,7 @@ fn measure(op: &'static str, shape: [usize; 3], forward: &Forward, rounds: usize
 
 fn report(rows: &[Row], json: bool) -> anyhow::Result<()> {
     if json {
-        for row in rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(rows);
     }
     println!(
         "{:<16} {:<16} {:>9} {:>11} {:>8} {:>10} {:>13} {:>7}",

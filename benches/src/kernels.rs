@@ -50,7 +50,7 @@ use wildfire_backend::kernels::rope::{reference as rope_reference, rope};
 use wildfire_backend::kernels::route::{cube_runtime, set_kernels_enabled};
 use wildfire_backend::kernels::swiglu::swiglu;
 
-use crate::median;
+use crate::{median, print_json_lines};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Device {
@@ -629,10 +629,7 @@ fn decorated<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Tensor<Parallel<B>
 
 fn report(records: &[Record], json: bool) -> anyhow::Result<()> {
     if json {
-        for record in records {
-            println!("{}", serde_json::to_string(record)?);
-        }
-        return Ok(());
+        return print_json_lines(records);
     }
     println!(
         "{:<18} {:<30} {:>5} {:>10} {:>10} {:>9} {:>9} {:>8} {:>10}",

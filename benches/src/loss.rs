@@ -20,7 +20,7 @@ use wildfire_backend::kernels::cross_entropy::{
 };
 
 use crate::alloc::HEAP;
-use crate::{alternating, mib};
+use crate::{alternating, mib, print_json_lines};
 
 type A = Autodiff<Parallel<Flex>>;
 
@@ -125,10 +125,7 @@ fn measure(shape: &'static str, vocab: usize, width: usize, rows: usize, rounds:
 
 fn report(rows: &[Row], json: bool) -> anyhow::Result<()> {
     if json {
-        for row in rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(rows);
     }
     println!(
         "{:<13} {:>7} {:>5} {:>5} {:>6} {:>10} {:>10} {:>6} {:>9} {:>9} {:>9} {:>6}",

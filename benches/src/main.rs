@@ -43,6 +43,14 @@ pub(crate) fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// `rows` as JSON lines on standard output, one object per row (the benches' `--json`).
+pub(crate) fn print_json_lines<T: serde::Serialize>(rows: &[T]) -> anyhow::Result<()> {
+    for row in rows {
+        println!("{}", serde_json::to_string(row)?);
+    }
+    Ok(())
+}
+
 /// Bytes in MiB.
 pub(crate) fn mib(bytes: usize) -> f64 {
     bytes as f64 / f64::from(1 << 20)

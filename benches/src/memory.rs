@@ -4,7 +4,7 @@
 //! accounting; then the peak heap of a few training steps of the tiny model at dp = 2 (ranks as
 //! threads) per stage.
 
-use crate::mib;
+use crate::{mib, print_json_lines};
 use std::collections::HashMap;
 use std::time::Duration;
 use wildfire_recipes::CpuBackend;
@@ -216,10 +216,7 @@ fn step_peaks() -> anyhow::Result<Vec<StepRow>> {
 
 fn print_states(rows: &[StateRow], json: bool) -> anyhow::Result<()> {
     if json {
-        for row in rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(rows);
     }
     println!("model state of rank 0, gpt2 preset (124,439,808 parameters, f32, AdamW):");
     println!(
@@ -243,10 +240,7 @@ fn print_states(rows: &[StateRow], json: bool) -> anyhow::Result<()> {
 
 fn print_steps(rows: &[StepRow], json: bool) -> anyhow::Result<()> {
     if json {
-        for row in rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(rows);
     }
     println!("\npeak heap growth of 3 training steps, tiny preset, every rank of the process:");
     println!("| dp | ZeRO | peak |\n|---|---|---|");

@@ -11,6 +11,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::dp::RecipeRun;
+use crate::print_json_lines;
 
 #[derive(Debug, Args)]
 pub struct TpArgs {
@@ -104,10 +105,7 @@ pub fn run(args: TpArgs) -> anyhow::Result<()> {
         bail!("no configuration ran");
     }
     if args.json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
+        return print_json_lines(&rows);
     }
     println!(
         "| model | layout | tokens/s | step | collective share | vs tp 1 on 2 cores |\n|---|---|---|---|---|---|"
